@@ -1,0 +1,43 @@
+"""mixprec: take PyTorch models to BF16 and FP8, for training and inference, and verify nothing was lost.
+
+The public names are imported lazily, so `import mixprec` stays cheap and the heavy parts
+(transformers, onnx, matplotlib) load only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"
+_EXPORTS = {
+    "MixprecError": "mixprec.errors:MixprecError",
+    "Format": "mixprec.formats:Format",
+    "FORMATS": "mixprec.formats:FORMATS",
+    "get_format": "mixprec.formats:get_format",
+    "cast_to_format": "mixprec.formats:cast_to_format",
+    "Granularity": "mixprec.scaling:Granularity",
+    "QuantizedTensor": "mixprec.scaling:QuantizedTensor",
+    "quantize": "mixprec.scaling:quantize",
+    "dequantize": "mixprec.scaling:dequantize",
+    "convert_for_training": "mixprec.training:convert_for_training",
+    "enable_fast_paths": "mixprec.training:enable_fast_paths",
+    "export_for_inference": "mixprec.training:export_for_inference",
+    "load_quantized": "mixprec.inference:load_quantized",
+    "quantize_model_": "mixprec.inference:quantize_model_",
+    "compare": "mixprec.compare:compare",
+    "PrecisionMonitor": "mixprec.monitor:PrecisionMonitor",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    if name in ("recipes", "optim", "monitor", "formats", "scaling", "hardware", "gemm"):
+        return importlib.import_module(f"mixprec.{name}")
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""One module per `mixprec` subcommand (see mixprec.cli)."""

@@ -1,0 +1,392 @@
+"""Number formats from their bit layouts, and exact rounding into them.
+
+Every figure of a format (max, min normal, min subnormal, epsilon, dynamic range) is derived from
+(exponent bits, mantissa bits, bias, which codes are special); nothing is typed in.
+
+Rounding is round-to-nearest, ties-to-even, with subnormals and signed zeros kept. Overflow is decided
+as if the exponent range were unbounded above: a value overflows when it rounds to something larger
+than the format's max (for E4M3 that makes 464 round to 448, a tie towards the even code, and anything
+above 464 overflow). mixprec never relies on torch's own overflow behaviour, which changed between
+torch 2.11 (E4M3 overflow -> NaN) and 2.12 (saturation): it clamps or maps explicitly, then uses
+torch's cast only for values that are in range, where all torch versions agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+
+from mixprec.errors import MixprecError
+
+# How a format spends its top codes:
+#   "ieee": the all-ones exponent holds +-inf (mantissa 0) and NaNs (mantissa != 0)   FP32 BF16 FP16 E5M2
+#   "fn":   no infinities; only S.1111.111 (all-ones exponent and mantissa) is NaN    E4M3 ("fn" = finite)
+#   "none": every code is a finite number: no inf, no NaN, so casts always saturate   FP6, FP4
+#   "e8m0": unsigned exponent-only scale format of OCP MX: 0xFF is NaN, no zero, no sign
+SPECIAL_KINDS = ("ieee", "fn", "none", "e8m0")
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point format described by its bit layout."""
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    special: str
+    signed: bool = True
+    torch_dtype: torch.dtype | None = None
+    aliases: tuple[str, ...] = ()
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.special not in SPECIAL_KINDS:
+            raise ValueError(f"unknown special-value kind {self.special!r}")
+
+    @property
+    def bits(self) -> int:
+        return int(self.signed) + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def has_inf(self) -> bool:
+        return self.special == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.special != "none"
+
+    @property
+    def has_zero(self) -> bool:
+        return self.special != "e8m0"
+
+    @property
+    def has_subnormals(self) -> bool:
+        return self.mantissa_bits > 0 and self.special != "e8m0"
+
+    @property
+    def saturates_always(self) -> bool:
+        """Formats with no inf and no NaN cannot express overflow, so every cast into them saturates."""
+        return self.special == "none"
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number (E8M0 has no subnormals: code 0 is 2^-bias)."""
+        return -self.bias if self.special == "e8m0" else 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite number."""
+        top_field = 2**self.exponent_bits - 1
+        if self.special == "ieee":
+            top_field -= 1  # the all-ones exponent is reserved for inf/NaN
+        elif self.special == "e8m0":
+            top_field -= 1  # 0xFF is NaN
+        return top_field - self.bias
+
+    @property
+    def max_mantissa_code(self) -> int:
+        """Mantissa field of the largest finite number (in "fn" formats S.1111.111 is NaN)."""
+        code = 2**self.mantissa_bits - 1
+        return code - 1 if self.special == "fn" else code
+
+    @property
+    def max(self) -> float:
+        return math.ldexp(1.0 + self.max_mantissa_code / 2**self.mantissa_bits, self.emax)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value (the smallest normal where the format has no subnormals)."""
+        if not self.has_subnormals:
+            return self.min_normal
+        return math.ldexp(1.0, self.emin - self.mantissa_bits)
+
+    @property
+    def epsilon(self) -> float:
+        """Distance from 1.0 to the next larger value."""
+        return math.ldexp(1.0, -self.mantissa_bits) if self.mantissa_bits else 1.0
+
+    @property
+    def decades(self) -> float:
+        """Dynamic range in decades, log10(max / smallest positive value)."""
+        return math.log10(self.max / self.min_subnormal)
+
+    @property
+    def overflow_threshold(self) -> float:
+        """Smallest magnitude that rounds past max (ties at the threshold go to the even neighbour)."""
+        return self.max + math.ldexp(1.0, self.emax - self.mantissa_bits - 1)
+
+    @property
+    def threshold_tie_overflows(self) -> bool:
+        """At exactly the threshold, RNE picks the even mantissa: max's own when its code is even."""
+        return self.max_mantissa_code % 2 == 1
+
+    def summary(self) -> dict:
+        """Every figure of the format, as plain Python values (for `mixprec formats --json`)."""
+        return {
+            "name": self.name,
+            "bits": self.bits,
+            "layout": f"{'S.' if self.signed else ''}E{self.exponent_bits}M{self.mantissa_bits}",
+            "bias": self.bias,
+            "max": self.max,
+            "min_normal": self.min_normal,
+            "min_subnormal": self.min_subnormal if self.has_subnormals else None,
+            "epsilon": self.epsilon,
+            "decades": round(self.decades, 3),
+            "has_inf": self.has_inf,
+            "has_nan": self.has_nan,
+            "has_zero": self.has_zero,
+            "torch_dtype": str(self.torch_dtype).replace("torch.", "") if self.torch_dtype else None,
+            "aliases": list(self.aliases),
+            "description": self.description,
+        }
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    return getattr(torch, name, None)
+
+
+FP32 = Format("fp32", 8, 23, 127, "ieee", torch_dtype=torch.float32,
+              aliases=("float32", "float"), description="IEEE single precision")  # fmt: skip
+TF32 = Format("tf32", 8, 10, 127, "ieee", aliases=("tensorfloat32",),
+              description="NVIDIA TensorFloat-32: FP32 range, FP16 precision; a GEMM input mode")  # fmt: skip
+BF16 = Format("bf16", 8, 7, 127, "ieee", torch_dtype=torch.bfloat16, aliases=("bfloat16",),
+              description="brain float: FP32 range, 8-bit significand")  # fmt: skip
+FP16 = Format("fp16", 5, 10, 15, "ieee", torch_dtype=torch.float16, aliases=("float16", "half"),
+              description="IEEE half precision")  # fmt: skip
+E4M3 = Format("e4m3", 4, 3, 7, "fn", torch_dtype=_dtype("float8_e4m3fn"),
+              aliases=("float8_e4m3fn", "fp8_e4m3", "fp8_e4m3fn", "fp8-e4m3", "e4m3fn"),
+              description="FP8 for weights and activations (OCP 'fn': no inf)")  # fmt: skip
+E5M2 = Format("e5m2", 5, 2, 15, "ieee", torch_dtype=_dtype("float8_e5m2"),
+              aliases=("float8_e5m2", "fp8_e5m2", "fp8-e5m2"),
+              description="FP8 for gradients (IEEE-like)")  # fmt: skip
+E8M0 = Format("e8m0", 8, 0, 127, "e8m0", signed=False, torch_dtype=_dtype("float8_e8m0fnu"),
+              aliases=("float8_e8m0fnu", "e8m0fnu"),
+              description="OCP MX shared scale: unsigned powers of two")  # fmt: skip
+E3M2 = Format("e3m2", 3, 2, 3, "none", aliases=("fp6_e3m2", "float6_e3m2fn"),
+              description="OCP MX FP6")  # fmt: skip
+E2M3 = Format("e2m3", 2, 3, 1, "none", aliases=("fp6_e2m3", "float6_e2m3fn"),
+              description="OCP MX FP6")  # fmt: skip
+E2M1 = Format("e2m1", 2, 1, 1, "none", aliases=("fp4", "fp4_e2m1", "float4_e2m1fn"),
+              description="OCP MX FP4")  # fmt: skip
+
+FORMATS: dict[str, Format] = {f.name: f for f in (FP32, TF32, BF16, FP16, E4M3, E5M2, E8M0, E3M2, E2M3, E2M1)}
+_BY_ALIAS: dict[str, Format] = {a: f for f in FORMATS.values() for a in (f.name, *f.aliases)}
+
+
+def get_format(fmt: str | Format) -> Format:
+    """Look a format up by name or alias (case-insensitive); a Format passes through."""
+    if isinstance(fmt, Format):
+        return fmt
+    if not isinstance(fmt, str):
+        raise MixprecError(f"a number format must be a name or a Format, got {type(fmt).__name__}")
+    key = fmt.strip().lower()
+    if key not in _BY_ALIAS:
+        raise MixprecError(f"unknown number format {fmt!r}; known: {', '.join(FORMATS)}")
+    return _BY_ALIAS[key]
+
+
+def check_float_tensor(x: object, what: str = "input") -> torch.Tensor:
+    """Reject what is not a floating-point tensor, naming it."""
+    if not isinstance(x, torch.Tensor):
+        raise MixprecError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype.itemsize == 1:
+        raise MixprecError(f"{what} must be a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact rounding
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as float32 for integer k in [-149, 127], built from the bits (exact, subnormals included)."""
+    k = k.to(torch.int32)
+    normal = ((k.clamp(min=-126) + 127) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(k) << (k.clamp(-149, -127) + 149)).view(torch.float32)
+    return torch.where(k >= -126, normal, subnormal)
+
+
+def _round_magnitude(ax: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Round finite non-negative values (fp32 or fp64) to fmt's grid, exponent unbounded above.
+
+    The quantum at |x| is 2^(max(e, emin) - m) with e = floor(log2 |x|). Dividing by 2^max(e, emin)
+    (exact) puts the value in [0, 2); adding 2^(P - m), with P the working type's mantissa width, makes
+    the hardware round exactly at the quantum, with ties to even because 2^(P-m) is an even multiple of
+    it; subtracting it back and re-scaling are exact.
+    """
+    if ax.dtype == torch.float64:
+        itype, exp_mask, width = torch.int64, 0x7FF0000000000000, 52
+    else:
+        itype, exp_mask, width = torch.int32, 0x7F800000, 23
+    binade = (ax.view(itype) & exp_mask).view(ax.dtype)  # 2^floor(log2 x); 0 for zero and fp32 subnormals
+    binade = binade.clamp(min=fmt.min_normal)
+    magic = math.ldexp(1.0, width - fmt.mantissa_bits)
+    return ((ax / binade + magic) - magic) * binade
+
+
+def _cast_e8m0(x: torch.Tensor, saturate: bool) -> torch.Tensor:
+    """E8M0 holds positive powers of two 2^-127..2^127 and NaN; no zero, no sign, no inf.
+
+    Positive values round to the nearest power of two, in value; a tie (1.5 * 2^k) rounds up, as
+    torch's own E8M0 cast and OCP MX scale conversion do. Values below 2^-127 go to 2^-127 (the
+    nearest value the format has). Above 2^127 (after rounding) is overflow: 2^127 when saturating,
+    NaN otherwise. Zero and negative values are outside the format: 2^-127 when saturating (the
+    smallest value, as torch maps 0), NaN otherwise. NaN stays NaN.
+    """
+    xf = x.to(torch.float64)  # frexp in fp64 keeps fp32 subnormals' exponents exact
+    mant, exp = torch.frexp(xf)
+    k = (exp - 1) + (mant >= 0.75).to(exp.dtype)  # x in [2^(exp-1), 2^exp): nearest, ties up
+    positive = xf > 0
+    over = positive & (k > E8M0.emax)
+    k = k.clamp(E8M0.emin, E8M0.emax)
+    k = torch.where(positive, k, torch.full_like(k, E8M0.emin))
+    y = pow2(k)
+    invalid = torch.isnan(xf)
+    if not saturate:
+        invalid = invalid | over | ~positive
+    return torch.where(invalid, torch.full_like(y, math.nan), y)
+
+
+@cache
+def _torch_cast_saturates(dtype: torch.dtype) -> bool:
+    """Whether this torch's cast maps +-inf and overflow to +-max and keeps NaN: then clamping first is
+    redundant (torch >= 2.12 for E4M3). Probed, never assumed, so older torch stays correct."""
+    fmax = torch.finfo(dtype).max
+    probe = torch.tensor([math.inf, -math.inf, 1e30, -1e30, fmax * 1.5, math.nan])
+    got = probe.to(dtype).float()
+    want = torch.tensor([fmax, -fmax, fmax, -fmax, fmax, math.nan])
+    return bool(torch.equal(got[:5], want[:5]) and torch.isnan(got[5]))
+
+
+def _cast_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+    """fp32 input, format torch has: clamp into range explicitly, then torch's cast (bit-exact in range)."""
+    assert fmt.torch_dtype is not None
+    if saturate:
+        inside = x if _torch_cast_saturates(fmt.torch_dtype) else x.clamp(-fmt.max, fmt.max)
+        return inside.to(fmt.torch_dtype).float()
+    y = x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
+    return _apply_overflow(x, y, fmt)
+
+
+def _apply_overflow(x: torch.Tensor, y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Non-saturating overflow: NaN for formats without inf, signed inf for IEEE-like ones."""
+    ax = x.abs()
+    over = ax > fmt.overflow_threshold
+    if fmt.threshold_tie_overflows:
+        over = over | (ax == fmt.overflow_threshold)
+    if fmt.has_inf:
+        overflow_value = torch.copysign(torch.full_like(y, math.inf), x)
+    else:
+        overflow_value = torch.full_like(y, math.nan)
+    return torch.where(over, overflow_value, y)
+
+
+def _cast_emulated(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+    """Formats torch lacks (and fp64 inputs, to avoid double rounding through fp32)."""
+    ax = x.abs()
+    finite = torch.isfinite(x)
+    rounded = _round_magnitude(torch.where(finite, ax, 0.0), fmt)
+    if saturate or fmt.saturates_always:
+        mag = torch.where(finite, rounded, ax).clamp(max=fmt.max)  # inf -> max, NaN stays NaN
+        y = torch.copysign(mag, x)
+    else:
+        y = torch.copysign(torch.where(finite, rounded, ax), x)
+        over = torch.where(finite, rounded, ax) > fmt.max
+        if not fmt.has_inf:
+            y = torch.where(over, math.nan, y)
+        else:
+            y = torch.where(over, torch.copysign(torch.full_like(y, math.inf), x), y)
+    return y.float()
+
+
+def cast_to_format(x: torch.Tensor, fmt: str | Format, saturate: bool = True) -> torch.Tensor:
+    """Round x to the nearest value of `fmt` (ties to even) and return it as float32.
+
+    saturate=True clamps finite out-of-range values and infinities to +-max (what FP8 training casts
+    do). saturate=False follows the format's definition: overflow is NaN for E4M3 (no inf) and inf
+    for E5M2/FP16/BF16/TF32. NaN stays NaN. FP6/FP4 have neither inf nor NaN and always saturate; a
+    NaN input still comes back NaN in the float32 result (encode() refuses it). E8M0: see _cast_e8m0.
+    Subnormals and signed zeros are kept. The input is never modified.
+    """
+    fmt = get_format(fmt)
+    check_float_tensor(x, "x")
+    if fmt.special == "e8m0":
+        return _cast_e8m0(x, saturate)
+    if fmt is FP32:
+        if x.dtype != torch.float64:
+            return x.float() if x.dtype != torch.float32 else x.clone()
+        if saturate:
+            return x.clamp(-FP32.max, FP32.max).float()
+        return x.float()  # fp64 -> fp32 already rounds with IEEE overflow to inf
+    if x.dtype == torch.float64:
+        return _cast_emulated(x, fmt, saturate)
+    xf = x.float()
+    if fmt.torch_dtype is not None:
+        return _cast_native(xf, fmt, saturate)
+    return _cast_emulated(xf, fmt, saturate)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding: representable float32 values <-> stored codes
+
+
+def encode(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """Store representable values: a torch float8/16 tensor where torch has the dtype, else uint8 codes
+    (one code per byte, layout sign|exponent|mantissa). Values are first rounded (saturating), so the
+    result never depends on torch's overflow behaviour."""
+    fmt = get_format(fmt)
+    y = cast_to_format(y, fmt, saturate=True)
+    if fmt.torch_dtype is not None:
+        return y.to(fmt.torch_dtype)
+    if fmt is TF32:
+        return y  # TF32 is a GEMM input mode; its values are stored in 32-bit words
+    return values_to_codes(y, fmt)
+
+
+def values_to_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """uint8 codes of float32 values already representable in a sub-byte format without NaN/inf."""
+    if torch.isnan(y).any():
+        raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    m = fmt.mantissa_bits
+    ay = y.abs().to(torch.float64)
+    _, exp = torch.frexp(ay)
+    e = (exp - 1).clamp(min=fmt.emin)  # subnormals share emin with exponent field 0
+    normal = ay >= fmt.min_normal
+    exp_field = torch.where(normal, e + fmt.bias, torch.zeros_like(e))
+    significand = ay / torch.ldexp(torch.ones_like(ay), e.to(torch.float64))  # [1,2) normal, [0,1) subnormal
+    mant_field = ((significand - normal.to(ay.dtype)) * 2**m).round().to(torch.int64)
+    sign = torch.signbit(y).to(torch.int64)
+    code = (sign << (fmt.exponent_bits + m)) | (exp_field.to(torch.int64) << m) | mant_field
+    return code.to(torch.uint8)
+
+
+def codes_to_values(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """float32 values of uint8 codes in a sub-byte format (all codes are finite numbers)."""
+    c = codes.to(torch.int64)
+    m = fmt.mantissa_bits
+    mant = (c & (2**m - 1)).to(torch.float64)
+    exp_field = (c >> m) & (2**fmt.exponent_bits - 1)
+    sign = (c >> (fmt.exponent_bits + m)) & 1
+    normal = exp_field > 0
+    e = torch.where(normal, exp_field - fmt.bias, torch.full_like(exp_field, fmt.emin)).to(torch.float64)
+    significand = mant / 2**m + normal.to(torch.float64)
+    mag = significand * torch.pow(2.0, e)
+    return torch.where(sign.bool(), -mag, mag).float()
+
+
+def decode(payload: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """float32 values of a payload made by encode() (or a float8 tensor from anywhere)."""
+    fmt = get_format(fmt)
+    if payload.dtype == torch.uint8 and fmt.torch_dtype is None:
+        return codes_to_values(payload, fmt)
+    if payload.dtype == torch.uint8 and fmt.torch_dtype is not None:
+        payload = payload.view(fmt.torch_dtype)
+    return payload.float()

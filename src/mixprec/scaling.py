@@ -1,0 +1,307 @@
+"""Scaling: amax -> scale, and quantize / dequantize at every granularity.
+
+Convention (the one compressed-tensors checkpoints use): the scale is the DEQUANTIZATION multiplier,
+    scale = amax / (fmt.max * 2**margin),   value ~= payload * scale,   payload = cast(x / scale).
+Quantization divides by the scale (never multiplies by a reciprocal), everywhere, so every code path
+(emulated, native, fused) produces bit-identical payloads.
+
+A tensor is viewed as 2-D [rows, cols] (rows = product of the leading dims, cols = the last dim) and
+cut into blocks of `block_rows x block_cols`; `None` means the whole dimension. So per-tensor is
+(None, None), per-row (per token, or per output channel of a weight [out, in]) is (1, None), per-column
+is (None, 1), DeepSeek-V3 tiles are (1, 128) / (128, 1) and weight blocks (128, 128), and OCP MX is
+(1, 32) with power-of-two E8M0 scales. When a dimension is not a multiple of the block, the last block
+along it is smaller and gets its own scale from the elements it has (the scale grid is
+ceil(rows / block_rows) x ceil(cols / block_cols), as compressed-tensors' block layout stores it).
+
+Scales are never 0, inf or NaN: amax is taken over the finite elements of a block (inf elements then
+saturate to +-max; NaN elements stay NaN in formats that have NaN); an all-zero block gets scale 1
+(2^-127 for E8M0 scales, the smallest code); a scale that would underflow fp32 is raised to the
+smallest normal fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import MixprecError
+from mixprec.formats import E8M0, Format, cast_to_format, check_float_tensor, decode, encode, get_format, pow2
+
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """Which elements share one scale: blocks of block_rows x block_cols of the 2-D view."""
+
+    block_rows: int | None
+    block_cols: int | None
+    scale_format: str = "fp32"  # "fp32", or "e8m0" for OCP MX power-of-two scales
+    mx_rounding: str = "floor"  # E8M0 only: "floor" (OCP MX v1.0) or "rceil" (round the scale up)
+
+    def __post_init__(self) -> None:
+        for side in (self.block_rows, self.block_cols):
+            if side is not None and (not isinstance(side, int) or side < 1):
+                raise MixprecError(f"block sides must be positive integers or None, got {side!r}")
+        if self.scale_format not in ("fp32", "e8m0"):
+            raise MixprecError(f"scale_format must be 'fp32' or 'e8m0', got {self.scale_format!r}")
+        if self.mx_rounding not in ("floor", "rceil"):
+            raise MixprecError(f"mx_rounding must be 'floor' or 'rceil', got {self.mx_rounding!r}")
+
+    @classmethod
+    def tensor(cls) -> Granularity:
+        return cls(None, None)
+
+    @classmethod
+    def rows(cls) -> Granularity:
+        return cls(1, None)
+
+    @classmethod
+    def columns(cls) -> Granularity:
+        return cls(None, 1)
+
+    @classmethod
+    def blocks(cls, block_rows: int, block_cols: int) -> Granularity:
+        return cls(block_rows, block_cols)
+
+    @classmethod
+    def mx(cls, size: int = 32, axis: int = -1, rounding: str = "floor") -> Granularity:
+        """OCP MX blocks of `size` consecutive elements along the last dim (axis=-1) or the rows (axis=0)."""
+        if axis in (-1, 1):
+            return cls(1, size, "e8m0", rounding)
+        if axis == 0:
+            return cls(size, 1, "e8m0", rounding)
+        raise MixprecError(f"MX blocks run along axis -1 or 0 of the 2-D view, got axis={axis}")
+
+    @property
+    def name(self) -> str:
+        if self.scale_format == "e8m0":
+            size = self.block_cols if self.block_rows == 1 else self.block_rows
+            return f"mx{size}" + ("" if self.block_rows == 1 else "-col") + ("-rceil" if self.mx_rounding == "rceil" else "")
+        return {
+            (None, None): "tensor",
+            (1, None): "row",
+            (None, 1): "column",
+        }.get((self.block_rows, self.block_cols), f"block{self.block_rows}x{self.block_cols}")
+
+    def transposed(self) -> Granularity:
+        """The same blocking for the transposed 2-D view (1x128 tiles become 128x1)."""
+        return Granularity(self.block_cols, self.block_rows, self.scale_format, self.mx_rounding)
+
+    def block_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return (rows if self.block_rows is None else self.block_rows, cols if self.block_cols is None else self.block_cols)
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        br, bc = self.block_shape(rows, cols)
+        return (math.ceil(rows / br), math.ceil(cols / bc))
+
+
+def as_2d(x: torch.Tensor) -> torch.Tensor:
+    """The 2-D view every granularity is defined on: [prod(leading dims), last dim]."""
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def _blocked(x2: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """[R, C] -> [nR, br, nC, bc], zero-padding the edge blocks (zeros change no amax)."""
+    rows, cols = x2.shape
+    pr, pc = (-rows) % br, (-cols) % bc
+    if pr or pc:
+        x2 = torch.nn.functional.pad(x2, (0, pc, 0, pr))
+    return x2.reshape(x2.shape[0] // br, br, x2.shape[1] // bc, bc)
+
+
+def _amax(x2: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    rows, cols = x2.shape
+    g = granularity
+    if g.block_rows is None and g.block_cols is None:
+        lo, hi = torch.aminmax(x2)
+        return torch.maximum(-lo, hi).reshape(1, 1).float()
+    if g.block_rows == 1 and g.block_cols is None:
+        lo, hi = torch.aminmax(x2, dim=1, keepdim=True)
+        return torch.maximum(-lo, hi).float()
+    if g.block_rows is None and g.block_cols == 1:
+        lo, hi = torch.aminmax(x2, dim=0, keepdim=True)
+        return torch.maximum(-lo, hi).float()
+    br, bc = g.block_shape(rows, cols)
+    return _blocked(x2, br, bc).abs().amax(dim=(1, 3)).float()
+
+
+def block_amax(x2: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Per-block max |x| over the finite elements, on the scale grid (fp32)."""
+    amax = _amax(x2, granularity)
+    if not bool(torch.isfinite(amax).all()):  # rare: recompute over finite elements only
+        amax = _amax(torch.where(torch.isfinite(x2), x2, 0.0), granularity)
+    return amax
+
+
+def round_scale_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= scale (exact, from the exponent bits), so no element saturates."""
+    mant, exp = torch.frexp(scale)
+    k = torch.where(mant == 0.5, exp - 1, exp)
+    return pow2(k.clamp(-149, 127))
+
+
+def compute_scale(
+    amax: torch.Tensor | float, fmt: str | Format, margin: int = 0, power_of_two: bool = False
+) -> torch.Tensor:
+    """scale = amax / (fmt.max * 2**margin), guarded: amax 0, inf or NaN gives 1, never 0/inf/NaN."""
+    fmt = get_format(fmt)
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    scale = amax.float() / (fmt.max * 2.0**margin)
+    if power_of_two:
+        scale = round_scale_up_to_power_of_two(scale)
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
+    scale = torch.where(usable, scale.clamp(min=_FP32_TINY), 1.0)
+    return scale
+
+
+def compute_mx_scale(amax: torch.Tensor, fmt: Format, rounding: str = "floor") -> torch.Tensor:
+    """OCP MX shared scale X = 2^(floor(log2 amax) - emax_elem), a float32 power of two.
+
+    floor(log2 amax) comes from the exponent bits (frexp): torch.log2 in fp32 rounds values just below
+    a power of two up to it and would give one too many. "rceil" instead takes the smallest power of
+    two >= amax / fmt.max, so nothing saturates. Exponents are clamped to E8M0's range [-127, 127];
+    an all-zero block gets 2^-127.
+    """
+    if rounding == "floor":
+        _, exp = torch.frexp(amax.float())
+        k = (exp - 1) - fmt.emax
+    else:
+        mant, exp = torch.frexp(amax.float() / fmt.max)
+        k = torch.where(mant == 0.5, exp - 1, exp)
+    k = torch.where(amax > 0, k, torch.full_like(k, E8M0.emin))
+    return pow2(k.clamp(E8M0.emin, E8M0.emax))
+
+
+def _scale_for(x2: torch.Tensor, fmt: Format, g: Granularity, margin: int, power_of_two: bool) -> torch.Tensor:
+    amax = block_amax(x2, g)
+    if g.scale_format == "e8m0":
+        return compute_mx_scale(amax, fmt, g.mx_rounding)
+    return compute_scale(amax, fmt, margin, power_of_two)
+
+
+def _check_scale(scale: torch.Tensor, grid: tuple[int, int], g: Granularity) -> torch.Tensor:
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    if scale.numel() == 1 and grid == (1, 1):
+        return scale.reshape(1, 1).float()
+    if tuple(scale.shape) == (grid[0] * grid[1],) and 1 in grid:
+        scale = scale.reshape(grid)
+    if tuple(scale.shape) != grid:
+        raise MixprecError(f"a {g.name} scale for this tensor must have shape {grid}, got {tuple(scale.shape)}")
+    if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+        raise MixprecError("scales must be finite and positive")
+    return scale.float()
+
+
+def apply_blockwise(x2: torch.Tensor, scale: torch.Tensor, g: Granularity, op) -> torch.Tensor:
+    """op(x, scale) with each block's scale broadcast over its elements; returns [R, C]."""
+    rows, cols = x2.shape
+    if g.block_rows in (None, 1) and g.block_cols in (None, 1) and scale.shape in ((1, 1), (rows, 1), (1, cols)):
+        return op(x2, scale)
+    br, bc = g.block_shape(rows, cols)
+    out = op(_blocked(x2, br, bc), scale[:, None, :, None])
+    return out.reshape(out.shape[0] * br, out.shape[2] * bc)[:rows, :cols]
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Payload + scales + granularity; dequantize() is exact (payload * scale, in fp32)."""
+
+    data: torch.Tensor  # torch float8 dtype, or uint8 codes for formats torch lacks; 2-D [R, C]
+    scale: torch.Tensor  # fp32, shape granularity.scale_shape(R, C); powers of two for E8M0 scales
+    fmt: Format
+    granularity: Granularity
+    shape: torch.Size  # the original shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = decode(self.data, self.fmt)
+        out = apply_blockwise(values, self.scale, self.granularity, torch.mul)
+        return out.reshape(self.shape).to(dtype)
+
+    def scale_e8m0(self) -> torch.Tensor:
+        """E8M0 codes (uint8) of power-of-two scales."""
+        if self.granularity.scale_format != "e8m0":
+            raise MixprecError(f"{self.granularity.name} scales are fp32, not E8M0")
+        return encode(self.scale, E8M0).view(torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        scale_bytes = self.scale.numel() * (1 if self.granularity.scale_format == "e8m0" else 4)
+        return self.data.numel() * self.data.element_size() + scale_bytes
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Format,
+    granularity: Granularity | None = None,
+    *,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_two: bool = False,
+) -> QuantizedTensor:
+    """Quantize x (saturating) to `fmt` with one scale per block of `granularity` (default per-tensor).
+
+    scale=None computes scales from x's amax; a given scale (delayed or static scaling) is used as is
+    and must have the grid shape. The input is read, never modified; it is converted to fp32 first
+    (exact for bf16/fp16).
+    """
+    g = granularity or Granularity.tensor()
+    fmt = get_format(fmt)
+    check_float_tensor(x, "x")
+    if fmt.bits > 8 or fmt.special == "e8m0":
+        raise MixprecError(f"{fmt.name} is not an element format to quantize to (use e4m3, e5m2, e3m2, e2m3, e2m1)")
+    if x.numel() == 0:
+        raise MixprecError(f"cannot quantize an empty tensor (shape {tuple(x.shape)})")
+    x2 = as_2d(x).float()
+    grid = g.scale_shape(*x2.shape)
+    if scale is None:
+        scale = _scale_for(x2, fmt, g, margin, power_of_two)
+    else:
+        scale = _check_scale(scale, grid, g)
+    scaled = apply_blockwise(x2, scale, g, torch.div)
+    data = encode_cast(scaled, fmt)
+    return QuantizedTensor(data, scale, fmt, g, x.shape)
+
+
+def encode_cast(scaled: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Saturating cast of already-scaled fp32 values straight to the payload dtype."""
+    y = cast_to_format(scaled, fmt, saturate=True)
+    return y.to(fmt.torch_dtype) if fmt.torch_dtype is not None else encode(y, fmt)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return q.dequantize(dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str | Format, granularity: Granularity | None = None, **kw) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype: what a quantized operand contributes to a GEMM."""
+    return quantize(x, fmt, granularity, **kw).dequantize(x.dtype)
+
+
+def quantization_snr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
+    """Signal-to-noise ratio of an approximation, in dB: 10 log10(sum x^2 / sum (x - xq)^2)."""
+    x, xq = x.double(), xq.double()
+    noise = (x - xq).pow(2).sum()
+    if noise == 0:
+        return math.inf
+    return float(10 * torch.log10(x.pow(2).sum() / noise))
+
+
+__all__ = [
+    "Granularity",
+    "QuantizedTensor",
+    "apply_blockwise",
+    "as_2d",
+    "block_amax",
+    "compute_mx_scale",
+    "compute_scale",
+    "dequantize",
+    "fake_quantize",
+    "quantization_snr_db",
+    "quantize",
+    "round_scale_up_to_power_of_two",
+]
