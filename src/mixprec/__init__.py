@@ -27,6 +27,10 @@ _EXPORTS = {
     "export_for_inference": "mixprec.training:export_for_inference",
     "load_quantized": "mixprec.inference:load_quantized",
     "quantize_model_": "mixprec.inference:quantize_model_",
+    "quantize_checkpoint": "mixprec.inference:quantize_checkpoint",
+    "evaluate": "mixprec.inference.evaluate:evaluate",
+    "Policy": "mixprec.training:Policy",
+    "Rule": "mixprec.training:Rule",
     "compare": "mixprec.compare:compare",
     "PrecisionMonitor": "mixprec.monitor:PrecisionMonitor",
 }
@@ -38,6 +42,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module, attr = _EXPORTS[name].split(":")
         return getattr(importlib.import_module(module), attr)
-    if name in ("recipes", "optim", "monitor", "formats", "scaling", "hardware", "gemm"):
+    if name in ("recipes", "optim", "monitor", "formats", "scaling", "hardware", "gemm", "distributed"):
         return importlib.import_module(f"mixprec.{name}")
     raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

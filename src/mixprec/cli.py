@@ -10,9 +10,14 @@ import sys
 from mixprec.errors import MixprecError
 
 COMMAND_MODULES = (
+    "compare",
     "demo",
     "formats",
     "doctor",
+    "quantize",
+    "evaluate",
+    "export_onnx",
+    "onnx",
 )
 
 

@@ -208,10 +208,12 @@ def check_float_tensor(x: object, what: str = "input") -> torch.Tensor:
 
 def pow2(k: torch.Tensor) -> torch.Tensor:
     """2**k as float32 for integer k in [-149, 127], built from the bits (exact, subnormals included)."""
+    # 2^k = 2^(k - k//2) * 2^(k//2): both halves are normal fp32 powers of two (exponents in [-75, 64]),
+    # their product is exact; shifts by a constant and one multiply vectorize (a variable shift did not).
     k = k.to(torch.int32)
-    normal = ((k.clamp(min=-126) + 127) << 23).view(torch.float32)
-    subnormal = (torch.ones_like(k) << (k.clamp(-149, -127) + 149)).view(torch.float32)
-    return torch.where(k >= -126, normal, subnormal)
+    low = torch.div(k, 2, rounding_mode="floor")
+    high = k - low
+    return ((low + 127) << 23).view(torch.float32) * ((high + 127) << 23).view(torch.float32)
 
 
 def _round_magnitude(ax: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -245,8 +247,8 @@ def _cast_e8m0(x: torch.Tensor, saturate: bool) -> torch.Tensor:
     mant, exp = torch.frexp(xf)
     k = (exp - 1) + (mant >= 0.75).to(exp.dtype)  # x in [2^(exp-1), 2^exp): nearest, ties up
     positive = xf > 0
-    over = positive & (k > E8M0.emax)
-    k = k.clamp(E8M0.emin, E8M0.emax)
+    over = positive & ((k > E8M0.emax) | torch.isinf(xf))  # frexp(inf) has exponent 0: test inf itself
+    k = torch.where(over, E8M0.emax, k).clamp(E8M0.emin, E8M0.emax)
     k = torch.where(positive, k, torch.full_like(k, E8M0.emin))
     y = pow2(k)
     invalid = torch.isnan(xf)
@@ -270,7 +272,9 @@ def _cast_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """fp32 input, format torch has: clamp into range explicitly, then torch's cast (bit-exact in range)."""
     assert fmt.torch_dtype is not None
     if saturate:
-        inside = x if _torch_cast_saturates(fmt.torch_dtype) else x.clamp(-fmt.max, fmt.max)
+        # the cast probe runs on the CPU: on other devices clamp explicitly (always correct)
+        native_sat = x.device.type == "cpu" and _torch_cast_saturates(fmt.torch_dtype)
+        inside = x if native_sat else x.clamp(-fmt.max, fmt.max)
         return inside.to(fmt.torch_dtype).float()
     y = x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
     return _apply_overflow(x, y, fmt)
@@ -289,8 +293,44 @@ def _apply_overflow(x: torch.Tensor, y: torch.Tensor, fmt: Format) -> torch.Tens
     return torch.where(over, overflow_value, y)
 
 
+def _cast_emulated_saturating(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Saturating cast of fp32 values to a format torch lacks: _round_magnitude in place on one temporary.
+
+    Clamping |x| to max before rounding is exact (max is representable, and everything above it
+    saturates to it); inf becomes max. NaN flows through: its binade is inf and NaN / inf is NaN.
+    """
+    ax = x.abs().clamp_(max=fmt.max)
+    binade = (ax.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=fmt.min_normal)
+    magic = math.ldexp(1.0, 23 - fmt.mantissa_bits)
+    ax.div_(binade).add_(magic).sub_(magic).mul_(binade)
+    return ax.copysign_(x)
+
+
+def _round_to_codes(x: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """uint8 codes of the saturating round-to-nearest-even of fp32 x into a format without inf/NaN.
+
+    The codes of such a layout are consecutive integers in value order, so with 2^(f - bias) the
+    binade of |x| clamped to the smallest normal (exponent field f >= 1) and s in [0, 2] the
+    significand |x| / 2^(f - bias) rounded to m bits, code = (f - 1) * 2^m + s * 2^m: subnormals
+    have f = 1 and s < 1, and a rounding carry to s = 2 lands on the next binade's first code.
+    """
+    ax = x.abs().clamp_(max=fmt.max)
+    if ax.numel() and bool(torch.isnan(ax.max())):  # max propagates NaN: one read, no mask tensor
+        raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    m = fmt.mantissa_bits
+    field = ax.view(torch.int32) & 0x7F800000
+    binade = field.view(torch.float32).clamp_(min=fmt.min_normal)
+    magic = math.ldexp(1.0, 23 - m)
+    code = ax.div_(binade).add_(magic).sub_(magic).mul_(2**m).to(torch.int32)
+    field = binade.view(torch.int32).bitwise_right_shift_(23).sub_(127 - fmt.bias + 1).bitwise_left_shift_(m)
+    code.add_(field).bitwise_or_(torch.signbit(x).to(torch.int32).bitwise_left_shift_(fmt.exponent_bits + m))
+    return code.to(torch.uint8)
+
+
 def _cast_emulated(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """Formats torch lacks (and fp64 inputs, to avoid double rounding through fp32)."""
+    if x.dtype == torch.float32 and (saturate or fmt.saturates_always):
+        return _cast_emulated_saturating(x, fmt)
     ax = x.abs()
     finite = torch.isfinite(x)
     rounded = _round_magnitude(torch.where(finite, ax, 0.0), fmt)
@@ -321,11 +361,10 @@ def cast_to_format(x: torch.Tensor, fmt: str | Format, saturate: bool = True) ->
     if fmt.special == "e8m0":
         return _cast_e8m0(x, saturate)
     if fmt is FP32:
-        if x.dtype != torch.float64:
-            return x.float() if x.dtype != torch.float32 else x.clone()
+        xf = x.float()  # rounds fp64 once, IEEE overflow to inf; exact for bf16/fp16
         if saturate:
-            return x.clamp(-FP32.max, FP32.max).float()
-        return x.float()  # fp64 -> fp32 already rounds with IEEE overflow to inf
+            return xf.clamp(-FP32.max, FP32.max)  # +-inf -> +-max as for every format; NaN stays
+        return xf.clone() if xf is x else xf
     if x.dtype == torch.float64:
         return _cast_emulated(x, fmt, saturate)
     xf = x.float()
@@ -343,6 +382,9 @@ def encode(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     (one code per byte, layout sign|exponent|mantissa). Values are first rounded (saturating), so the
     result never depends on torch's overflow behaviour."""
     fmt = get_format(fmt)
+    if fmt.bits < 8 and y.dtype != torch.float64:
+        check_float_tensor(y, "values")
+        return _round_to_codes(y.float(), fmt)  # rounds and encodes in one go
     y = cast_to_format(y, fmt, saturate=True)
     if fmt.torch_dtype is not None:
         return y.to(fmt.torch_dtype)
@@ -353,23 +395,28 @@ def encode(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
 
 def values_to_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:
     """uint8 codes of float32 values already representable in a sub-byte format without NaN/inf."""
-    if torch.isnan(y).any():
-        raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
-    m = fmt.mantissa_bits
-    ay = y.abs().to(torch.float64)
-    _, exp = torch.frexp(ay)
-    e = (exp - 1).clamp(min=fmt.emin)  # subnormals share emin with exponent field 0
-    normal = ay >= fmt.min_normal
-    exp_field = torch.where(normal, e + fmt.bias, torch.zeros_like(e))
-    significand = ay / torch.ldexp(torch.ones_like(ay), e.to(torch.float64))  # [1,2) normal, [0,1) subnormal
-    mant_field = ((significand - normal.to(ay.dtype)) * 2**m).round().to(torch.int64)
-    sign = torch.signbit(y).to(torch.int64)
-    code = (sign << (fmt.exponent_bits + m)) | (exp_field.to(torch.int64) << m) | mant_field
-    return code.to(torch.uint8)
+    return _round_to_codes(y.float(), fmt)  # representable values: the rounding is the identity
+
+
+@cache
+def _code_table(fmt: Format) -> torch.Tensor:
+    return _codes_to_values(torch.arange(2**fmt.bits, dtype=torch.int64), fmt)
 
 
 def codes_to_values(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """float32 values of uint8 codes in a sub-byte format (all codes are finite numbers)."""
+    """float32 values of uint8 codes in a sub-byte format (all codes are finite numbers): a table lookup."""
+    table = _code_table(fmt) if codes.device.type == "cpu" else _code_table_on(fmt, codes.device)
+    return table[(codes & (2**fmt.bits - 1)).to(torch.int32)]
+
+
+@cache
+def _code_table_on(fmt: Format, device: torch.device) -> torch.Tensor:
+    """The lookup table on the codes' device (indexing a CPU table with CUDA codes fails)."""
+    return _code_table(fmt).to(device)
+
+
+def _codes_to_values(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """The values of codes, from the bit layout (builds the lookup table)."""
     c = codes.to(torch.int64)
     m = fmt.mantissa_bits
     mant = (c & (2**m - 1)).to(torch.float64)

@@ -81,7 +81,9 @@ def detect() -> Capabilities:
     model, flags = _cpu_info()
     cuda = torch.cuda.is_available()
     capability = torch.cuda.get_device_capability() if cuda else None
-    scaled_cuda = cuda and capability is not None and capability >= FP8_TENSOR_CORES and _scaled_mm_works("cuda")
+    scaled_cuda = (
+        cuda and capability is not None and capability >= FP8_TENSOR_CORES and _scaled_mm_works("cuda")
+    )
     return Capabilities(
         torch_version=torch.__version__,
         python_version=platform.python_version(),
@@ -113,11 +115,17 @@ def recommendation(caps: Capabilities | None = None) -> dict:
     if caps.mxfp8_native:
         recipe, why = "fp8-mxfp8", "SM 10.0+: MXFP8 tensor cores with E8M0 block scales"
     elif caps.fp8_native:
-        recipe, why = "fp8-delayed", "SM 8.9+: FP8 tensor cores via torch._scaled_mm (per-tensor scales fastest)"
+        recipe, why = (
+            "fp8-delayed",
+            "SM 8.9+: FP8 tensor cores via torch._scaled_mm (per-tensor scales fastest)",
+        )
     elif caps.bf16_tensor_cores:
         recipe, why = "bf16", "BF16 tensor cores but no FP8: train in bf16"
     else:
-        recipe, why = "fp8-delayed", "no FP8 hardware: FP8 runs emulated (same numerics), for validation, not speed"
+        recipe, why = (
+            "fp8-delayed",
+            "no FP8 hardware: FP8 runs emulated (same numerics), for validation, not speed",
+        )
     kernels = {
         "tensorwise": "native torch._scaled_mm" if caps.fp8_native else "emulated (dequantize + fp32 matmul)",
         "rowwise": "native torch._scaled_mm" if caps.fp8_native else "emulated (dequantize + fp32 matmul)",

@@ -1,19 +1,37 @@
-"""`mixprec demo`: the end-to-end demonstration on embedded defaults."""
+"""`mixprec demo`: the end-to-end demonstration on embedded defaults (the README's first command)."""
 
 from __future__ import annotations
 
 import argparse
 
 NAME = "demo"
-HELP = "run the end-to-end demonstration on the built-in model and corpus"
+HELP = "compare fp32/bf16/fp8 training of a small built-in Llama, quantize the result to FP8 and evaluate it"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="mixprec-demo", help="output directory (default: mixprec-demo)")
+    parser.add_argument("--out", default="mixprec-demo", help="output directory (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps per recipe (default: the demo's own)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.cli import main
+    from rich.console import Console
 
-    main(["formats"])
-    return main(["doctor"])
+    from mixprec.commands.compare import print_summary
+    from mixprec.comparison.demo import run_demo
+
+    result = run_demo(args.out, force=args.force, progress=not args.no_progress, steps=args.steps)
+    print_summary(result.training)
+    console = Console()
+    info = result.inference
+    if info.get("status") == "done":
+        console.print(f"FP8 inference: {'[green]pass[/green]' if info['passed'] else '[red]FAIL[/red]'} "
+                      f"(quantized model: {info['quantized_dir']})")  # fmt: skip
+    else:
+        console.print(f"FP8 inference: not run ({info.get('reason')})")
+    console.print(f"demo finished in {result.seconds['total']:.0f} s")
+    console.print(f"report: [bold]{result.report_path.resolve()}[/bold]")
+    return 0 if result.passed else 1

@@ -16,10 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.kernels.native import describe_report, native_kernel_report
+
     caps = detect()
     rec = recommendation(caps)
+    kernels = native_kernel_report()
     if args.json:
-        print(json.dumps({"schema_version": 1, "capabilities": caps.to_dict(), "recommendation": rec}, indent=2))
+        out = {"schema_version": 1, "capabilities": caps.to_dict(), "recommendation": rec, "kernels": kernels}
+        print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -40,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("torch._scaled_mm on CUDA", yes(caps.scaled_mm_cuda))
     for kind, kernel in rec["gemm_kernels"].items():
         table.add_row(f"GEMM: {kind}", kernel)
+    for label, text in describe_report(kernels):  # what mixprec.kernels would actually run (probed)
+        table.add_row(f"kernels: {label}", text)
     table.add_row("recommended recipe", f"{rec['recipe']} — {rec['reason']}")
     Console().print(table)
     return 0

@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title="Number formats (derived from bit layouts)")
     for column in ("name", "layout", "bias", "max", "min normal", "min subnormal", "epsilon", "decades",
                    "inf", "NaN", "torch dtype"):  # fmt: skip
-        table.add_column(column, justify="right" if column not in ("name", "layout", "torch dtype") else "left")
+        table.add_column(
+            column, justify="right" if column not in ("name", "layout", "torch dtype") else "left"
+        )
     for r in rows:
         table.add_row(
             r["name"], r["layout"], str(r["bias"]), _fmt(r["max"]), _fmt(r["min_normal"]), _fmt(r["min_subnormal"]),

@@ -1,0 +1,95 @@
+"""Cost of the PrecisionMonitor per training step, against the same loop without it (same run).
+
+    python bench/monitor_cost.py [--recipe fp8-delayed] [--steps 12] [--hidden 128] [--layers 2]
+
+Prints a markdown table: median wall and CPU time per step of the built-in Llama under an FP8 recipe
+with no monitor, with the monitor on an ordinary step (NaN/inf guard only), on a statistics step,
+and with activation watching; and the ratio to the step without monitor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mixprec.models import ReferenceModelConfig, build_reference_model, lm_loss
+from mixprec.monitor import PrecisionMonitor
+from mixprec.optim import AdamW
+from mixprec.training import advance_scaling_state, convert_for_training
+
+
+def one_step(model, optimizer, batch, monitor: PrecisionMonitor | None, stats: bool) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    if monitor is not None:
+        monitor.begin_step(0 if stats else 1)  # every=1000: step 0 is a statistics step, 1 is not
+    loss = lm_loss(model, batch)
+    loss.backward()
+    ok = monitor.check_step(loss).ok if monitor is not None else True
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad()
+    advance_scaling_state(model)
+    if monitor is not None:
+        monitor.end_step()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="fp8-delayed")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args()
+    cfg = ReferenceModelConfig(
+        hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers
+    )
+    model = build_reference_model(1024, 0, cfg)
+    convert_for_training(model, args.recipe)
+    optimizer = AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    plain = PrecisionMonitor(model, every=1000, optimizer=optimizer)
+    watching = PrecisionMonitor(model, every=1000, optimizer=optimizer, watch_activations=True)
+    watching.close()  # hooks are installed per measurement below
+    configs = {
+        "no monitor": (None, False),
+        "monitor, ordinary step (NaN/inf guard)": (plain, False),
+        "monitor, statistics step": (plain, True),
+        "monitor + watch_activations, ordinary step": ("watch", False),
+    }
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
+    # round-robin, so a change in machine load hits every configuration alike
+    for round_ in range(args.steps + 2):
+        for name, (mon, stats) in configs.items():
+            if mon == "watch":
+                mon = PrecisionMonitor(model, every=1000, optimizer=optimizer, watch_activations=True)
+                t = one_step(model, optimizer, batch, mon, stats)
+                mon.close()
+            else:
+                t = one_step(model, optimizer, batch, mon, stats)
+            if round_ >= 2:
+                times[name].append(t)
+    plain.close()
+    rows = [
+        (k, statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()
+    ]
+    base_wall = rows[0][1]
+    every = 100
+    amortized = rows[1][1] + (rows[2][1] - rows[1][1]) / every
+    print(f"Monitor cost, {args.recipe}, built-in Llama hidden {args.hidden} x {args.layers} layers, "
+          f"batch {args.batch}x{args.seq}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")  # fmt: skip
+    print("| step | wall ms | CPU ms | wall vs no monitor |")
+    print("|---|---:|---:|---:|")
+    for name, wall, cpu in rows:
+        print(f"| {name} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {wall / base_wall:.3f}x |")
+    print(f"| amortized at every={every} | {amortized * 1e3:.1f} | | {amortized / base_wall:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""`mixprec evaluate`: compare a quantized (or bf16) model with its reference; gates on quality, memory, speed."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mixprec.errors import MixprecError
+
+NAME = "evaluate"
+HELP = (
+    "compare a candidate (FP8/BF16) model with its reference: perplexity, BLEU/ROUGE-L, cosine, memory, speed"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reference", required=True, metavar="DIR", help="the high-precision model directory"
+    )
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument(
+        "--candidate", metavar="DIR", help="a mixprec / compressed-tensors / HF-fp8 (or plain) model dir"
+    )
+    who.add_argument(
+        "--candidate-scheme", choices=("fp8-dynamic", "fp8-static", "fp8-block", "bf16"),
+        help="derive the candidate from the reference online instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data", required=True, metavar="PATH", help=".txt file, folder of .txt/.md, or .jsonl with 'text'"
+    )
+    parser.add_argument("--task", nargs="+", metavar="TASK",
+                        help="lm, generate, embed (several allowed; default: lm for causal LMs, embed for encoders)")  # fmt: skip
+    parser.add_argument(
+        "--samples", type=int, default=1000, help="samples to run through both models (default 1000)"
+    )
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=32, help="generate: greedy tokens per prompt (default 32)"
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="generate: prompt tokens (default min(32, seq_len/2))"
+    )
+    parser.add_argument(
+        "--calib-samples", type=int, default=32, help="fp8-static: calibration samples from --data"
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    g = parser.add_argument_group("gates (exit 1 when one fails)")
+    g.add_argument(
+        "--max-ppl-increase", metavar="X", help="relative perplexity increase allowed: 0.001 or 0.1%%"
+    )
+    g.add_argument(
+        "--min-bleu", type=float, metavar="B", help="minimum BLEU (0-100) of the candidate's generations"
+    )
+    g.add_argument("--min-cosine", type=float, metavar="C", help="minimum mean cosine of the embeddings")
+    g.add_argument("--min-memory-saving", metavar="S",
+                   help="weight memory saved: bytes (1.8GB, 500MiB) or a fraction of the reference (0.4, 40%%)")  # fmt: skip
+    g.add_argument(
+        "--min-speedup", type=float, metavar="X", help="candidate tokens/s over reference tokens/s"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="write every figure as JSON (schema: docs/schemas/evaluate.md)"
+    )
+    parser.add_argument("--out", metavar="DIR", help="write a short HTML/PNG report here")
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite an existing --json file / --out report"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if args.json and Path(args.json).exists() and not args.force:
+        raise MixprecError(f"--json {args.json} exists (use --force to overwrite)")
+    if args.out and (Path(args.out) / "report.html").exists() and not args.force:
+        raise MixprecError(f"--out {args.out} already holds a report (use --force to overwrite)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.evaluation import Gates, evaluate, parse_memory_saving, write_report
+    from mixprec.evaluation.gates import parse_fraction
+
+    _check_outputs(args)
+    # Parse thresholds before any model is loaded: a typo is a bad input (exit 2), not a failed gate.
+    if args.min_memory_saving is not None:
+        parse_memory_saving(args.min_memory_saving)
+    if args.max_ppl_increase is not None:
+        parse_fraction(args.max_ppl_increase, "--max-ppl-increase")
+    gates = Gates(
+        max_ppl_increase=args.max_ppl_increase, min_bleu=args.min_bleu, min_cosine=args.min_cosine,
+        min_memory_saving=args.min_memory_saving, min_speedup=args.min_speedup,
+    )  # fmt: skip
+    result = evaluate(
+        args.reference, args.candidate, candidate_scheme=args.candidate_scheme, data=args.data, task=args.task,
+        samples=args.samples, seq_len=args.seq_len, gates=gates, device=args.device, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, calib_samples=args.calib_samples,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    if args.json:
+        result.write_json(args.json)
+    if args.out:
+        write_report(result, args.out)
+    _print(result)
+    return 0 if result.passed else 1
+
+
+def _print(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(v) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.6g}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+
+    table = Table(title=f"mixprec evaluate — {result.machine['description']}")
+    table.add_column("figure")
+    table.add_column("reference", justify="right")
+    table.add_column("candidate", justify="right")
+    table.add_column("change / score", justify="right")
+    lm = result.tasks.get("lm")
+    if lm:
+        table.add_row("perplexity", f(lm["reference_perplexity"]), f(lm["candidate_perplexity"]),
+                      f"{lm['perplexity_relative_change']:+.4%}")  # fmt: skip
+        table.add_row(
+            "top-1 agreement / KL mean", "", "", f"{lm['top1_agreement']:.4f} / {lm['kl_mean']:.3g}"
+        )
+    gen = result.tasks.get("generate")
+    if gen:
+        table.add_row("BLEU / ROUGE-L", "", "", f"{gen['bleu']:.2f} / {gen['rouge_l']:.4f}")
+    emb = result.tasks.get("embed")
+    if emb:
+        table.add_row("cosine mean / min", "", "", f"{emb['cosine_mean']:.6f} / {emb['cosine_min']:.6f}")
+    m = result.memory
+    table.add_row("weights in memory (bytes)", f(m["reference_weight_bytes_memory"]), f(m["candidate_weight_bytes_memory"]),
+                  f"saved {f(m['weight_saving_bytes'])} ({(m['weight_saving_fraction'] or 0):.1%})")  # fmt: skip
+    table.add_row(
+        "weights on disk (bytes)",
+        f(m["reference_weight_bytes_disk"]),
+        f(m["candidate_weight_bytes_disk"]),
+        "",
+    )
+    tp = result.throughput
+    table.add_row(f"tokens/s ({tp['measured']})", f(tp["reference_tokens_per_s"]), f(tp["candidate_tokens_per_s"]),
+                  f"{tp['speedup']:.3f}x" if tp["speedup"] else "-")  # fmt: skip
+    table.add_row("peak RSS / CUDA (bytes)", "", "", f"{f(m['peak_rss_bytes'])} / {f(m['peak_cuda_bytes'])}")
+    console = Console()
+    console.print(table)
+    for gate in result.gates:
+        mark = "[green]pass[/green]" if gate.passed else "[red]FAIL[/red]"
+        console.print(
+            f"gate {gate.name}: measured {f(gate.measured)} vs {f(gate.threshold)} ({gate.unit}) {mark}"
+        )
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")
+    console.print("[bold green]PASSED[/bold green]" if result.passed else "[bold red]FAILED[/bold red]")

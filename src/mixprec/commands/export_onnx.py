@@ -1,0 +1,29 @@
+"""`mixprec export-onnx`: a Hugging Face model directory to an ONNX graph (input_ids -> logits / hidden states)."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "export-onnx"
+HELP = "export a model directory to ONNX (torch's exporter, opset >= 19), ready for quantize-onnx"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, metavar="DIR", help="model directory (high-precision safetensors)"
+    )
+    parser.add_argument("--output", required=True, metavar="FILE", help="the .onnx file to write")
+    parser.add_argument("--opset", type=int, default=19, help="ONNX opset (>= 19; default 19)")
+    parser.add_argument("--seq-len", type=int, default=16, help="length of the example input used to trace")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.onnx.export import export_onnx
+
+    report = export_onnx(args.model, args.output, opset=args.opset, seq_len=args.seq_len, force=args.force)
+    print(
+        f"wrote {report.output} ({report.kind}, opset {report.opset}, {report.bytes:,} bytes): "
+        f"{report.inputs} -> {report.outputs}; onnxruntime vs torch max |diff| {report.max_abs_diff:.3g}"
+    )
+    return 0

@@ -1,0 +1,107 @@
+"""`mixprec quantize`: FP8 offline quantization of a local Hugging Face checkpoint (thin CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mixprec.errors import MixprecError
+
+NAME = "quantize"
+HELP = "quantize a local Hugging Face safetensors checkpoint to FP8 (compressed-tensors or HF fp8 layout)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mixprec.inference.calibration import OBSERVERS
+    from mixprec.inference.layouts import LAYOUTS
+    from mixprec.inference.schemes import SCHEMES
+    from mixprec.inference.streaming import DEFAULT_MAX_SHARD_SIZE
+
+    parser.add_argument("--model", required=True, help="input model directory (config.json + safetensors)")
+    parser.add_argument(
+        "--output", required=True, help="output directory (refused if it exists, unless --force)"
+    )
+    parser.add_argument(
+        "--scheme", default="fp8-dynamic", help=f"one of {', '.join(SCHEMES)} (default fp8-dynamic)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="fp8_e4m3",
+        help="element format; only fp8_e4m3 (the guide's spelling) is accepted",
+    )
+    parser.add_argument(
+        "--calib-data",
+        "--calib-dataset",
+        dest="calib_data",
+        help="calibration text: .txt, folder of .txt, .jsonl with 'text', or a well-known name with a local copy",
+    )
+    parser.add_argument("--calib-samples", type=int, default=512, help="calibration sequences (default 512)")
+    parser.add_argument(
+        "--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)"
+    )
+    parser.add_argument(
+        "--observer", default="max", choices=OBSERVERS, help="activation amax observer (default max)"
+    )
+    parser.add_argument(
+        "--ignore", nargs="+", default=[], metavar="PATTERN",
+        help="module names kept in high precision, added to the defaults (lm_head, embeddings, norms, "
+        "MoE routers); 're:<regex>', globs, or dotted name parts",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-default-ignore", action="store_true", help="do not add the default ignore patterns"
+    )
+    parser.add_argument("--format", default="compressed-tensors", choices=LAYOUTS, help="checkpoint layout")
+    parser.add_argument(
+        "--kv-cache", choices=("fp8",), help="calibrate and write per-layer k_scale / v_scale"
+    )
+    parser.add_argument(
+        "--layer-by-layer", action=argparse.BooleanOptionalAction, default=None,
+        help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="output shard bound (e.g. 2GB)"
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.formats import E4M3, get_format
+    from mixprec.inference.streaming import quantize_checkpoint
+
+    if get_format(args.dtype) is not E4M3:
+        raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")
+    report = quantize_checkpoint(
+        args.model,
+        args.output,
+        args.scheme,
+        ignore=args.ignore,
+        default_ignore=not args.no_default_ignore,
+        calib_data=args.calib_data,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        observer=args.observer,
+        format=args.format,
+        kv_cache=args.kv_cache,
+        force=args.force,
+        max_shard_size=args.max_shard_size,
+        layer_by_layer=args.layer_by_layer,
+        progress=not args.quiet and not args.json,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    counts = report.summary()
+    n_fp8 = sum(v for k, v in counts.items() if k.startswith("fp8"))
+    console.print(
+        f"[green]wrote {args.output}[/green]: {n_fp8} Linear layers in FP8 ({report.scheme}), "
+        f"{len(report.skipped)} kept in high precision; weights {report.weight_bytes_before / 2**20:.1f} MiB -> "
+        f"{report.weight_bytes_after / 2**20:.1f} MiB; max relative weight error {report.max_relative_weight_error:.2e}"
+    )
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")
+    return 0

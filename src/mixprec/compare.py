@@ -1,0 +1,270 @@
+"""`mixprec.compare`: the same model, initial weights and data order under several recipes, judged.
+
+    summary = mixprec.compare(["fp32", "bf16", "fp8-delayed"], steps=1000, out="cmp")
+    summary.passed, summary.recipes["fp8-delayed"].val_gap, summary.exit_code
+
+Each recipe trains a copy of one initial model on the same batches; each baseline (fp32 for bf16,
+bf16 for fp8 when present) is also re-run with only the data order changed, so every gap stands next
+to the run-to-run noise it must be read against. The verdict compares the validation loss (mean of the
+last evaluations on the same held-out blocks for every recipe) by default; `verdict_loss="train"` uses
+the mean train loss of the last 10 % of steps instead. See docs/compare.md and docs/schemas/compare.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from mixprec.comparison import outdir
+from mixprec.comparison.config import DEFAULT_RECIPES, NOISE_SUFFIX, CompareConfig
+from mixprec.comparison.run import RunResult, RunSpec, train_run
+from mixprec.comparison.summary import SCHEMA_VERSION, ComparisonSummary, json_safe, summarize
+from mixprec.errors import MixprecError
+
+
+def run_specs(config: CompareConfig) -> list[RunSpec]:
+    """The runs of a comparison: every recipe, then each baseline again with another data order."""
+    common = dict(
+        steps=config.steps, batch_size=config.batch_size, lr=config.lr, warmup=config.warmup,
+        eval_every=config.eval_interval, monitor_every=config.monitor_interval,
+        checkpoint_every=config.checkpoint_interval, weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm, device=config.device,
+    )  # fmt: skip
+    specs = [RunSpec(name=r, recipe=r, order_seed=config.seed, **common) for r in config.recipes]
+    if config.noise:
+        bases = [b for b in dict.fromkeys(config.baselines().values()) if b]
+        specs += [
+            RunSpec(name=b + NOISE_SUFFIX, recipe=b, order_seed=config.seed + 1, **common) for b in bases
+        ]
+    return specs
+
+
+def load_inputs(config: CompareConfig):
+    """Corpus -> tokenized data, and the base model (same initial weights for every run)."""
+    from mixprec.data import load_corpus, prepare_data
+    from mixprec.models import ReferenceModelConfig, build_reference_model, load_model_dir, model_vocab_size
+
+    tokenizer_dir = config.tokenizer
+    if config.model_dir is not None and tokenizer_dir is None and _has_tokenizer(Path(config.model_dir)):
+        tokenizer_dir = config.model_dir
+    corpus = load_corpus(config.data, config.max_chars)
+    data = prepare_data(
+        corpus, seq_len=config.seq_len, vocab_size=config.vocab_size, tokenizer_dir=tokenizer_dir,
+        max_val_blocks=config.val_blocks, min_train_blocks=config.batch_size,
+    )  # fmt: skip
+    if config.model_dir is not None:
+        model = load_model_dir(config.model_dir)
+        vocab = model_vocab_size(model)
+        if data.vocab_size > vocab or int(data.train.max()) >= vocab:
+            raise MixprecError(
+                f"the tokenizer ({data.vocab_size} ids) does not fit the model's embedding ({vocab} rows): "
+                f"pass --tokenizer with the model's tokenizer"
+            )
+        info = {"source": config.model_dir}
+    else:
+        mcfg = ReferenceModelConfig(**(config.model_config or {}))
+        mcfg = replace(mcfg, max_position_embeddings=max(mcfg.max_position_embeddings, config.seq_len))
+        model = build_reference_model(data.vocab_size, config.seed, mcfg)
+        info = {"source": "built-in reference Llama", "config": mcfg.to_dict()}
+    info["parameters"] = sum(p.numel() for p in model.parameters())
+    info["class"] = type(model).__name__
+    return data, model, info
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+
+
+def _progress(enabled: bool, specs: list[RunSpec]):
+    from contextlib import nullcontext
+
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), transient=False,
+    )  # fmt: skip
+
+
+def compare(
+    recipes: Sequence[str] = DEFAULT_RECIPES,
+    *,
+    steps: int = 1000,
+    out: str | os.PathLike | None = None,
+    model: str | os.PathLike | None = None,
+    data: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    seed: int = 0,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    keep_models: Sequence[str] = (),
+    config: CompareConfig | None = None,
+    prepare: Callable | None = None,
+    stop_after: int | None = None,
+    **settings,
+) -> ComparisonSummary:
+    """Train every recipe from the same initial weights on the same data order; return the summary.
+
+    settings: any other CompareConfig field (eval_every, batch_size, lr, baseline, thresholds,
+    verdict_loss, noise, monitor_every, ...). config: a whole CompareConfig instead. keep_models:
+    recipes whose trained model is returned in summary.trained_models. stop_after: interrupt every run
+    after that many steps (tests of --resume). Raises MixprecError on bad input before writing anything.
+    """
+    if config is None:
+        try:
+            config = CompareConfig(
+                recipes=tuple(recipes), steps=steps, seed=seed, model_dir=None if model is None else str(model),
+                data=None if data is None else str(data), tokenizer=None if tokenizer is None else str(tokenizer),
+                **settings,
+            )  # fmt: skip
+        except TypeError as exc:
+            raise MixprecError(f"compare: {exc}") from None
+    config.validate()
+    out_path = Path(out) if out is not None else None
+    rank, world = _rank_world()
+    if out_path is not None:
+        # every rank checks (read-only, same answer everywhere), so no rank waits alone in a collective
+        outdir.check_out_dir(out_path, config, resume=resume, force=force)
+    elif resume:
+        raise MixprecError("--resume needs --out (the directory of the interrupted comparison)")
+    data_t, base_model, model_info = load_inputs(config)
+
+    ckpt_dir = None
+    if out_path is not None:
+        _barrier(world)  # every rank has checked --out before rank 0 writes into it
+        if rank == 0:
+            ckpt_dir = outdir.start(out_path, config, resume=resume, force=force)
+        _barrier(world)  # ... and the checkpoint folder exists before any rank uses it
+        # every rank checkpoints (its own shard) and resumes from the same folder
+        ckpt_dir = out_path / outdir.CHECKPOINTS
+        if resume:
+            _check_checkpoint_kind(ckpt_dir, world)
+    specs = run_specs(config)
+    results: list[RunResult] = []
+    with _progress(progress and rank == 0, specs) as bar:
+        tasks = {s.name: bar.add_task(s.name, total=s.steps) for s in specs} if bar is not None else {}
+
+        def on_step(name: str, step: int) -> None:
+            if bar is not None:
+                bar.update(tasks[name], completed=step)
+
+        for spec in specs:
+            ckpt = outdir.checkpoint_path(ckpt_dir, spec.name) if ckpt_dir is not None else None
+            result = train_run(spec, base_model, data_t, checkpoint_path=ckpt, on_step=on_step, prepare=prepare,
+                               stop_after=stop_after)  # fmt: skip
+            if spec.name not in keep_models:
+                result.model = None
+            results.append(result)
+            on_step(spec.name, spec.steps)
+
+    records = [r for res in results for r in res.records]
+    summary = summarize(records, config)
+    summary.data = data_t.describe()
+    summary.model = model_info
+    summary.speed = speed_figures(results)
+    from mixprec.hardware import describe_machine
+
+    summary.machine = describe_machine()
+    summary.trained_models = {res.name: res.model for res in results if res.model is not None}
+    summary.tokenizer = data_t.tokenizer
+    if out_path is not None and rank == 0:
+        write_artefacts(out_path, summary, records)
+        outdir.finish(out_path)
+    return summary
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch
+
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _check_checkpoint_kind(ckpt_dir: Path, world: int) -> None:
+    """A single-process run checkpoints into <run>.pt, a multi-rank one into <run>.dist/ (per-rank
+    shards): resuming one kind with the other would silently start over, so refuse it."""
+    if not ckpt_dir.is_dir():
+        return
+    single = sorted(p.name for p in ckpt_dir.glob("*.pt"))
+    multi = sorted(p.name for p in ckpt_dir.glob("*.dist"))
+    if world > 1 and single:
+        raise MixprecError(
+            f"--resume: {ckpt_dir} holds single-process checkpoints ({', '.join(single)}); "
+            "resume it without torchrun"
+        )
+    if world == 1 and multi:
+        raise MixprecError(
+            f"--resume: {ckpt_dir} holds multi-rank checkpoints ({', '.join(multi)}); resume it under "
+            "torchrun with the same number of ranks"
+        )
+
+
+def speed_figures(results: list[RunResult]) -> dict:
+    """Wall time per training step and the ratio to fp32; gated nowhere on CPU (emulated FP8)."""
+    from mixprec.hardware import detect
+
+    per = {r.name: r.seconds_per_step for r in results}
+    ref = per.get("fp32")
+    native = bool(detect().fp8_native)
+    return {
+        "seconds_per_step": per,
+        "ratio_vs_fp32": {k: (v / ref if ref else None) for k, v in per.items()},
+        "native_fp8": native,
+        "gated": False,
+        "note": (
+            "native FP8 kernels present: ratios are real speed-ups (reported; a small model is not a speed test)"
+            if native
+            else "no native FP8 kernels: FP8 runs emulated, ratios are reported, not gated"
+        ),
+    }
+
+
+def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) -> None:
+    from mixprec.comparison.plots import compare_sections
+    from mixprec.report import write_html_report, write_text_atomic
+
+    outdir.write_jsonl(
+        out / "metrics.jsonl", [json_safe({"schema_version": SCHEMA_VERSION, **r}) for r in records]
+    )
+    summary.out_dir = str(out)
+    summary.report_path = str(out / "report.html")
+    write_text_atomic(out / "summary.json", json.dumps(summary.to_dict(), indent=1))
+    write_html_report(out, "mixprec compare", compare_sections(summary, records), subtitle=summary.machine)
+
+
+class _CallableModule(types.ModuleType):
+    """`import mixprec.compare` binds the package attribute `mixprec.compare` to this module, shadowing
+    the lazily exported function of the same name: calling the module calls the function, so
+    `mixprec.compare(...)` works either way."""
+
+    def __call__(self, *args, **kwargs) -> ComparisonSummary:
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["CompareConfig", "ComparisonSummary", "compare", "load_inputs", "run_specs", "write_artefacts"]

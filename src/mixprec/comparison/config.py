@@ -1,0 +1,170 @@
+"""The settings of one comparison, checked before anything is written, and the baseline/threshold rules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from mixprec.errors import MixprecError
+
+DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
+DEFAULT_THRESHOLDS = {"bf16": 0.001, "fp8": 0.0025}  # the guide's 0.1 %; DeepSeek-V3's 0.25 % (vs BF16)
+NOISE_SUFFIX = "~reorder"  # run name of a baseline re-run with only the data order changed
+VERDICT_LOSSES = ("val", "train")
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Everything that decides the numbers of a comparison (so --resume can check it is the same run)."""
+
+    recipes: tuple[str, ...] = DEFAULT_RECIPES
+    steps: int = 1000
+    eval_every: int | None = None  # None: steps // 20 (at least 1)
+    eval_last: int = 3  # final validation loss = mean of the last `eval_last` evaluations
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 2e-3
+    warmup_steps: int | None = None  # None: 5 % of steps
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    baseline: str | None = None  # override: every recipe is judged against this one
+    thresholds: dict = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    verdict_loss: str = "val"
+    noise: bool = True  # re-run each baseline with a changed data order
+    monitor_every: int | None = None  # None: min(100, steps // 20)
+    checkpoint_every: int | None = None  # None: every evaluation
+    model_dir: str | None = None
+    model_config: dict | None = None  # built-in model dims (ReferenceModelConfig fields)
+    data: str | None = None
+    tokenizer: str | None = None
+    vocab_size: int = 1024
+    max_chars: int | None = None  # cap on corpus characters (None: the data module's default for stdlib)
+    val_blocks: int = 64
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" (bit-identical repeats are promised on CPU only)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recipes", tuple(self.recipes))
+        object.__setattr__(self, "thresholds", {**DEFAULT_THRESHOLDS, **dict(self.thresholds or {})})
+
+    # derived settings ------------------------------------------------------------------------------
+    @property
+    def eval_interval(self) -> int:
+        return self.eval_every or max(1, self.steps // 20)
+
+    @property
+    def monitor_interval(self) -> int:
+        return self.monitor_every or max(1, min(100, self.steps // 20))
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.checkpoint_every or self.eval_interval
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"recipes": list(self.recipes)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CompareConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: (tuple(v) if k == "recipes" else v) for k, v in d.items() if k in names})
+
+    # checks (no file is written before these pass) -------------------------------------------------
+    def validate(self) -> None:
+        from mixprec import recipes as recipe_module
+
+        if not self.recipes:
+            raise MixprecError("no recipes to compare")
+        if len(set(self.recipes)) != len(self.recipes):
+            raise MixprecError(f"recipes listed twice: {', '.join(self.recipes)}")
+        for name in (*self.recipes, *([self.baseline] if self.baseline else [])):
+            recipe_module.from_name(name)  # raises MixprecError naming the unknown recipe
+        if self.baseline and self.baseline not in self.recipes:
+            raise MixprecError(
+                f"--baseline {self.baseline} is not one of the compared recipes ({', '.join(self.recipes)})"
+            )
+        for key, value, low in (
+            ("steps", self.steps, 1), ("batch_size", self.batch_size, 1), ("seq_len", self.seq_len, 8),
+            ("eval_last", self.eval_last, 1), ("vocab_size", self.vocab_size, 300), ("val_blocks", self.val_blocks, 1),
+        ):  # fmt: skip
+            if not isinstance(value, int) or value < low:
+                raise MixprecError(f"{key} must be an integer >= {low}, got {value!r}")
+        for key in ("eval_every", "monitor_every", "checkpoint_every", "warmup_steps"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or v < (0 if key == "warmup_steps" else 1)):
+                raise MixprecError(f"{key} must be a positive integer, got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MixprecError(f"lr must be positive, got {self.lr}")
+        for key, t in self.thresholds.items():
+            if key not in DEFAULT_THRESHOLDS:
+                raise MixprecError(f"unknown threshold {key!r} (known: {', '.join(DEFAULT_THRESHOLDS)})")
+            if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+                raise MixprecError(f"threshold {key} must be a non-negative fraction, got {t!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise MixprecError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise MixprecError(f"device {self.device}: CUDA is not available on this machine")
+        if self.verdict_loss not in VERDICT_LOSSES:
+            raise MixprecError(f"verdict_loss must be one of {VERDICT_LOSSES}, got {self.verdict_loss!r}")
+        self.baselines()  # every non-baseline recipe must have a baseline in the run
+        if self.data is not None and not Path(self.data).exists():
+            raise MixprecError(f"data path {self.data} does not exist")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise MixprecError(f"tokenizer directory {self.tokenizer} does not exist")
+        if self.model_dir is not None:
+            from mixprec.models import check_model_dir
+
+            check_model_dir(self.model_dir)
+
+    # baselines and thresholds ----------------------------------------------------------------------
+    def baselines(self) -> dict[str, str | None]:
+        """recipe -> the recipe it is judged against (None for the root baseline)."""
+        out: dict[str, str | None] = {}
+        for r in self.recipes:
+            if self.baseline:
+                out[r] = None if r == self.baseline else self.baseline
+                continue
+            kind = recipe_kind(r)
+            if kind == "fp32":
+                out[r] = None
+            elif kind == "fp8":
+                out[r] = "bf16" if "bf16" in self.recipes else ("fp32" if "fp32" in self.recipes else "")
+            else:  # bf16, bf16-amp, fp16-amp
+                out[r] = "fp32" if "fp32" in self.recipes else ""
+            if out[r] == "":
+                need = "bf16 or fp32" if kind == "fp8" else "fp32"
+                raise MixprecError(
+                    f"recipe {r} needs a baseline in the run: add {need} to the recipes, or pass --baseline"
+                )
+        return out
+
+    def threshold_for(self, recipe: str) -> float:
+        return self.thresholds["fp8" if recipe_kind(recipe) == "fp8" else "bf16"]
+
+
+def recipe_kind(name: str) -> str:
+    """ "fp32", "fp8", or the 16-bit kinds (judged with the bf16 threshold)."""
+    base = name.split(":", 1)[0]
+    if base == "fp32":
+        return "fp32"
+    if base.startswith("fp8"):
+        return "fp8"
+    return "bf16"
+
+
+def parse_fraction(text: str | float) -> float:
+    """ "0.25%" -> 0.0025; "0.0025" -> 0.0025."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    s = text.strip()
+    try:
+        return float(s[:-1]) / 100 if s.endswith("%") else float(s)
+    except ValueError:
+        raise MixprecError(f"not a fraction or percentage: {text!r}") from None

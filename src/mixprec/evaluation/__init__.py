@@ -1,0 +1,19 @@
+"""Verification of a quantized model against its reference: quality, memory and speed, with gates.
+
+Public entry: :func:`evaluate` (also importable as ``mixprec.inference.evaluate.evaluate``).
+"""
+
+from mixprec.evaluation.gates import GateResult, Gates, parse_memory_saving
+from mixprec.evaluation.result import SCHEMA_VERSION, EvaluationResult
+from mixprec.evaluation.runner import TASKS, evaluate, write_report
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "TASKS",
+    "EvaluationResult",
+    "GateResult",
+    "Gates",
+    "evaluate",
+    "parse_memory_saving",
+    "write_report",
+]

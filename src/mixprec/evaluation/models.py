@@ -1,0 +1,225 @@
+"""The two models of an evaluation: loading, deriving an online candidate, checking they are comparable."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+from mixprec.evaluation.memory import weight_bytes_in_memory, weight_bytes_on_disk
+
+_INFERENCE_MODULES = {
+    "quantize_model_": "mixprec.inference.online",
+    "load_quantized": "mixprec.inference.load",
+}
+CANDIDATE_SCHEMES = ("fp8-dynamic", "fp8-static", "fp8-block", "bf16")
+
+# Architecture facts that must agree between reference and candidate.
+_ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+@dataclass
+class Side:
+    """One model of the comparison and what is known about where it came from."""
+
+    model: nn.Module
+    source: str
+    kind: str  # "causal-lm" or "encoder"
+    directory: Path | None = None
+    scheme: str | None = None
+    info: dict = field(default_factory=dict)
+    hooks: Any = None  # bf16 CPU compute hooks, kept alive with the model
+
+    def describe(self) -> dict:
+        cfg = getattr(self.model, "config", None)
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in self.model.parameters()})
+        return {
+            "source": self.source,
+            "scheme": self.scheme,
+            "kind": self.kind,
+            "class": type(self.model).__name__,
+            "model_type": getattr(cfg, "model_type", None),
+            "parameter_dtypes": dtypes,
+            "weight_bytes_disk": weight_bytes_on_disk(self.directory),
+            "weight_bytes_memory": weight_bytes_in_memory(self.model),
+            **self.info,
+        }
+
+
+def _read_config(directory: Path) -> dict:
+    if not directory.is_dir():
+        raise MixprecError(f"model directory {directory} does not exist")
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise MixprecError(f"model directory {directory} has no config.json")
+    try:
+        return json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MixprecError(f"{cfg_path} is not valid JSON: {exc}") from None
+
+
+def kind_of_config(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or cfg.get("is_decoder"):
+        return "causal-lm"
+    return "encoder"
+
+
+def kind_of_model(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and kind_of_config(cfg.to_dict() if hasattr(cfg, "to_dict") else {}) == "causal-lm":
+        return "causal-lm"
+    name = type(model).__name__
+    return "causal-lm" if name.endswith(("ForCausalLM", "LMHeadModel")) else "encoder"
+
+
+def load_dir(directory: str | os.PathLike, role: str) -> Side:
+    """A model directory: quantized checkpoints through mixprec.load_quantized, others through transformers."""
+    d = Path(directory)
+    cfg = _read_config(d)
+    kind = kind_of_config(cfg)
+    if cfg.get("quantization_config"):
+        model = _inference_api("load_quantized")(d)
+    else:
+        if not any(d.glob("*.safetensors")):
+            raise MixprecError(f"{role} model directory {d} has no .safetensors weights")
+        import transformers
+
+        cls = transformers.AutoModelForCausalLM if kind == "causal-lm" else transformers.AutoModel
+        try:
+            model = cls.from_pretrained(str(d), local_files_only=True, use_safetensors=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise MixprecError(f"cannot load the {role} model from {d}: {exc}") from None
+    model.eval()
+    return Side(model, str(d), kind, directory=d)
+
+
+def as_side(obj: str | os.PathLike | nn.Module, role: str) -> Side:
+    if isinstance(obj, nn.Module):
+        obj.eval()
+        return Side(obj, f"<{type(obj).__name__} object>", kind_of_model(obj))
+    if isinstance(obj, (str, os.PathLike)):
+        return load_dir(obj, role)
+    raise MixprecError(f"{role} must be a model directory or a torch.nn.Module, got {type(obj).__name__}")
+
+
+def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Tensor] | None) -> Side:
+    """A copy of the reference, quantized online (fp8-*) or cast to bf16."""
+    scheme = scheme.strip().lower()
+    if scheme not in CANDIDATE_SCHEMES:
+        raise MixprecError(f"unknown --candidate-scheme {scheme!r}; known: {', '.join(CANDIDATE_SCHEMES)}")
+    model = copy.deepcopy(reference.model)
+    info: dict = {}
+    if scheme == "bf16":
+        model = model.to(torch.bfloat16)  # the CPU compute hooks are installed by install_low_precision_hooks
+    else:
+        quantize_model_ = _inference_api("quantize_model_")
+        report = quantize_model_(model, scheme, calib_data=calib_batches)
+        info["quantization_report"] = _summarize_report(report)
+    model.eval()
+    return Side(model, f"online:{scheme} of {reference.source}", reference.kind, scheme=scheme, info=info)
+
+
+def _inference_api(name: str):
+    """mixprec.load_quantized / quantize_model_ (issue 5's inference package)."""
+    import importlib
+
+    import mixprec
+
+    try:
+        return getattr(mixprec, name)
+    except (ImportError, AttributeError) as exc:
+        err = exc
+    try:  # the module itself, while the inference package's __init__ does not export it yet
+        return getattr(importlib.import_module(_INFERENCE_MODULES[name]), name)
+    except (ImportError, AttributeError):
+        raise MixprecError(f"mixprec.{name} is unavailable in this installation ({err})") from None
+
+
+def install_low_precision_hooks(side: Side) -> None:
+    """bf16/fp16 models on a CPU without fast bf16: compute GEMMs in fp32 and round the results
+    (mixprec.training.bf16_cpu), which is also what a GPU bf16 GEMM gives. Call after moving the model."""
+    if side.hooks is not None or not any(
+        p.dtype in (torch.bfloat16, torch.float16) for p in side.model.parameters()
+    ):
+        return
+    side.info["bf16_compute"] = "native bf16 kernels"
+    try:
+        from mixprec.hardware import detect
+        from mixprec.training import bf16_cpu
+    except ImportError:
+        return
+    if bf16_cpu.should_install(side.model) and not detect().cpu_bf16_native:
+        side.hooks = bf16_cpu.install(side.model)
+        side.info["bf16_compute"] = "fp32 GEMMs rounded to bf16 (mixprec.training.bf16_cpu)"
+
+
+def _summarize_report(report: Any) -> Any:
+    if report is None:
+        return None
+    if hasattr(report, "to_dict"):
+        report = report.to_dict()
+    if isinstance(report, dict):
+        return {k: v for k, v in report.items() if isinstance(v, (str, int, float, bool, type(None)))} or str(
+            report
+        )[:500]
+    return str(report)[:500]
+
+
+def _config_dict(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+
+
+def vocab_size_of(model: nn.Module) -> int | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return int(w.shape[0])
+    return _config_dict(model).get("vocab_size")
+
+
+def check_compatible(
+    reference: Side, candidate: Side, ref_vocab: dict | None, cand_vocab: dict | None
+) -> None:
+    """Refuse comparisons that make no sense: different architectures or vocabularies."""
+    a, b = _config_dict(reference.model), _config_dict(candidate.model)
+    for key in _ARCH_KEYS:
+        if key in a and key in b and a[key] != b[key]:
+            raise MixprecError(
+                f"architecture mismatch: reference {reference.source} has {key}={a[key]!r}, "
+                f"candidate {candidate.source} has {key}={b[key]!r}"
+            )
+    if reference.kind != candidate.kind:
+        raise MixprecError(
+            f"architecture mismatch: reference {reference.source} is a {reference.kind}, candidate is a {candidate.kind}"
+        )
+    va, vb = vocab_size_of(reference.model), vocab_size_of(candidate.model)
+    if va is not None and vb is not None and va != vb:
+        raise MixprecError(
+            f"vocabulary mismatch: reference {reference.source} has {va} tokens, candidate {candidate.source} has {vb}"
+        )
+    if ref_vocab is not None and cand_vocab is not None and ref_vocab != cand_vocab:
+        differ = len(set(ref_vocab.items()) ^ set(cand_vocab.items()))
+        raise MixprecError(
+            f"vocabulary mismatch: the tokenizers of {reference.source} and {candidate.source} differ "
+            f"({differ} token/id pairs differ)"
+        )
+
+
+__all__ = [
+    "CANDIDATE_SCHEMES",
+    "Side",
+    "as_side",
+    "check_compatible",
+    "derive_candidate",
+    "kind_of_config",
+    "load_dir",
+]

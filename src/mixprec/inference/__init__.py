@@ -1,0 +1,36 @@
+"""FP8 inference: offline checkpoint quantization (streaming), calibration, the scales file, online
+quantization of a loaded model, and loading FP8 checkpoints (mixprec, llm-compressor, Hugging Face fp8).
+
+    mixprec.quantize_checkpoint(model_dir, out_dir, scheme="fp8-dynamic")   # `mixprec quantize`
+    model = mixprec.load_quantized(out_dir)                                  # Linears run in FP8
+    report = mixprec.quantize_model_(model, scheme="fp8-dynamic")            # online, in place
+
+Names are imported lazily so `import mixprec.inference` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_quantized": "mixprec.inference.load:load_quantized",
+    "quantize_model_": "mixprec.inference.online:quantize_model_",
+    "quantize_checkpoint": "mixprec.inference.streaming:quantize_checkpoint",
+    "InferenceScheme": "mixprec.inference.schemes:InferenceScheme",
+    "SCHEMES": "mixprec.inference.schemes:SCHEMES",
+    "DEFAULT_IGNORE": "mixprec.inference.schemes:DEFAULT_IGNORE",
+    "FP8InferenceLinear": "mixprec.inference.fp8_linear:FP8InferenceLinear",
+    "QuantizationReport": "mixprec.inference.quant_report:QuantizationReport",
+    "read_scales_file": "mixprec.inference.scales_file:read_scales_file",
+    "calibrate": "mixprec.inference.calibration:calibrate",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'mixprec.inference' has no attribute {name!r}")

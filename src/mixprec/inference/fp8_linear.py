@@ -1,0 +1,111 @@
+"""The inference Linear: FP8 E4M3 weight + scales, inputs quantized per call (dynamic) or with a
+static per-tensor scale, and the GEMM through the shared seam `mixprec.gemm.scaled_mm`.
+
+It keeps exactly what a compressed-tensors checkpoint stores (`weight` payload, `weight_scale`,
+`input_scale`), as buffers named like the checkpoint tensors, so `state_dict()` round-trips.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.formats import E4M3
+from mixprec.inference.schemes import InferenceScheme
+from mixprec.kernels.native import quantize_fast
+from mixprec.scaling import Granularity, QuantizedTensor
+
+
+class FP8InferenceLinear(nn.Module):
+    """y = x Wᵀ + b with W stored in FP8 and x quantized to FP8 on the fly (inference only)."""
+
+    def __init__(
+        self,
+        weight: QuantizedTensor,
+        bias: torch.Tensor | None,
+        scheme: InferenceScheme,
+        *,
+        input_scale: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        out_features, in_features = weight.shape
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.scheme = scheme
+        self.out_dtype = out_dtype  # the original Linear's dtype: outputs come back in it
+        self.weight_granularity: Granularity = weight.granularity
+        self.register_buffer("weight", weight.data)
+        self.register_buffer("weight_scale", weight.scale.float())
+        self.register_buffer(
+            "input_scale", None if input_scale is None else input_scale.float().reshape(1, 1)
+        )
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)
+        self._observer = None
+        self._observer_name: str | None = None
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        scheme: InferenceScheme,
+        *,
+        input_scale: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+        name: str = "weight",
+    ) -> FP8InferenceLinear:
+        from mixprec.inference.schemes import quantize_weight
+
+        q, _ = quantize_weight(linear.weight.detach(), scheme, name=name, scale=weight_scale)
+        return cls(q, linear.bias, scheme, input_scale=input_scale, out_dtype=linear.weight.dtype)
+
+    # ---- quantities --------------------------------------------------------------------------
+    @property
+    def input_granularity(self) -> Granularity:
+        return Granularity.tensor() if self.input_scale is not None else self.scheme.input_granularity
+
+    def quantized_weight(self) -> QuantizedTensor:
+        return QuantizedTensor(
+            self.weight,
+            self.weight_scale,
+            E4M3,
+            self.weight_granularity,
+            torch.Size((self.out_features, self.in_features)),
+        )
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.quantized_weight().dequantize(dtype)
+
+    # ---- monitor protocol -----------------------------------------------------------------------
+    def set_precision_observer(self, observer, name: str | None = None) -> None:
+        self._observer = observer
+        self._observer_name = name
+
+    def precision_layout(self) -> dict[str, Granularity]:
+        return {"input": self.input_granularity, "weight": self.weight_granularity}
+
+    # ---- forward --------------------------------------------------------------------------------
+    @torch.no_grad()  # an inference layer: FP8 payloads are buffers and quantization has no gradient
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from mixprec.gemm import scaled_mm
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
+        # bit-identical to scaling.quantize: fused Triton kernels on CUDA, graph-break-free under
+        # torch.compile, scaling.quantize itself on the CPU
+        xq = quantize_fast(x2, E4M3, self.input_granularity, scale=self.input_scale)
+        if self._observer is not None:
+            self._observer(self._observer_name, "input", x2.detach(), xq.scale, E4M3)
+        out = scaled_mm(xq, self.quantized_weight(), out_dtype=self.out_dtype, bias=self.bias)
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        act = (
+            "static per-tensor" if self.input_scale is not None else f"dynamic {self.input_granularity.name}"
+        )
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"scheme={self.scheme.name}, weight=e4m3 {self.weight_granularity.name}, input={act}"
+        )

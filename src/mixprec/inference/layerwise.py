@@ -1,0 +1,123 @@
+"""Layer-by-layer calibration: observe Linear inputs (and KV states) of a decoder model one
+transformer block at a time, so a model larger than RAM calibrates.
+
+The model is built with its parameters on the meta device; only the parts outside the block list
+(embeddings, rotary tables, final norm, head) are loaded. The first block's inputs are captured
+for every batch (a pre-hook records them and stops the forward), then each block is loaded from
+the shards, run on the captured inputs with the observers' hooks on, its outputs kept as the next
+block's inputs, and its weights dropped again. Peak memory: one block + the hidden states of the
+calibration set (samples x seq_len x hidden in the model dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+from mixprec.inference.calibration import MaxObserver, Observer, _kv_attention_patch, make_observer
+from mixprec.inference.safetensors_io import Checkpoint, ShardReader
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward once the first block's inputs are recorded."""
+
+
+def _block_list(model: nn.Module, num_layers: int | None) -> tuple[str, nn.ModuleList]:
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and (num_layers is None or len(m) == num_layers):
+            return name, m
+    raise MixprecError("layer-by-layer calibration needs a model with a list of transformer blocks")
+
+
+def _load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: ShardReader) -> None:
+    sd = {n: reader.get(ckpt.tensors[n]) for n in names}
+    model.load_state_dict(sd, strict=False, assign=True)
+
+
+def calibrate_layerwise(
+    model_dir: Path,
+    config: dict[str, Any],
+    ckpt: Checkpoint,
+    batches: Sequence[torch.Tensor],
+    linear_names: Sequence[str],
+    *,
+    observer: str = "max",
+    kv_cache: bool = False,
+    progress: Any = None,
+) -> tuple[dict[str, float], dict[int, tuple[float, float]], nn.Module]:
+    """Same results as `calibrate` on the whole model; returns (input amax, kv amax, skeleton)."""
+    from mixprec.inference.load import build_skeleton
+
+    model = build_skeleton(model_dir, config).eval()
+    prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
+    outside = [n for n in ckpt.tensors if not n.startswith(prefix + ".")]
+    stray = [n for n in linear_names if not n.startswith(prefix + ".")]
+    if stray:
+        raise MixprecError(
+            f"layer-by-layer calibration observes Linears inside {prefix} only; also asked: {stray[:3]}"
+        )
+    observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
+    kv_obs: dict[int, tuple[Observer, Observer]] = {}
+    undo = _kv_attention_patch(model, kv_obs) if kv_cache else None
+    if kv_cache and undo is None:
+        raise MixprecError(
+            "--kv-cache fp8 needs a transformers attention model (key/value states to observe)"
+        )
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(_mod, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Captured
+
+    try:
+        with ShardReader() as reader, torch.no_grad():
+            _load_into(model, ckpt, outside, reader)
+            hook = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
+            try:
+                for b in batches:
+                    with contextlib.suppress(_Captured):
+                        model(input_ids=b, use_cache=False)
+            finally:
+                hook.remove()
+            modules = dict(model.named_modules())
+            for i, block in enumerate(blocks):
+                own = f"{prefix}.{i}."
+                _load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
+                handles = []
+                for n in (n for n in linear_names if n.startswith(own)):
+
+                    def hook_fn(_m, args, _o=observers[n]):
+                        _o.update(args[0])
+
+                    handles.append(modules[n].register_forward_pre_hook(hook_fn))
+                nxt = []
+                for args, kwargs in captured:
+                    out = block(*args, **kwargs)
+                    hidden = out[0] if isinstance(out, tuple) else out
+                    nxt.append(((hidden, *args[1:]), kwargs))
+                captured = nxt
+                for h in handles:
+                    h.remove()
+                block.to("meta")  # drop this block's weights
+                if progress is not None:
+                    progress()
+    finally:
+        if undo is not None:
+            undo()
+    amax = {n: o.amax() for n, o in observers.items()}
+    for n, a in amax.items():
+        if a == 0:
+            raise MixprecError(
+                f"calibration never saw a nonzero input for {n!r}; is the calibration data empty?"
+            )
+    kv = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
+    return amax, kv, model
+
+
+__all__ = ["MaxObserver", "calibrate_layerwise"]

@@ -1,0 +1,266 @@
+"""load_quantized: an FP8 checkpoint directory -> a model whose Linears run in FP8 (eval mode).
+
+Reads the layouts of mixprec, llm-compressor (compressed-tensors, float-quantized) and Hugging Face
+`quant_method: "fp8"`. The model skeleton is built from config.json with its parameters on the meta
+device (buffers such as rotary tables stay real), quantized Linears are swapped for FP8InferenceLinear
+built from the stored payload and scales, and the other tensors are assigned as stored.
+
+Missing scales: a weight scale comes from the checkpoint, else the scales file
+(model.fp8_scales.json / fp8_scales.json beside the weights), else `scales=`; a weight stored in high
+precision gets its scale recomputed (said in a warning and in the report). A static input scale that
+is nowhere falls back to dynamic per-tensor input scaling, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+from mixprec.formats import E4M3
+from mixprec.inference.fp8_linear import FP8InferenceLinear
+from mixprec.inference.layouts import LayoutSpec, ModuleLayout, parse_quantization_config
+from mixprec.inference.quant_report import QuantizationReport
+from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
+from mixprec.inference.scales_file import (
+    find_scales_file,
+    input_scale_tensor,
+    layer_entry,
+    normalize_hand_scales,
+    read_scales_file,
+    weight_scale_tensor,
+)
+from mixprec.inference.schemes import InferenceScheme, quantize_weight
+from mixprec.scaling import QuantizedTensor
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device (no memory, no init work) but buffers for real:
+    non-persistent buffers (rotary tables) are not in checkpoints and must be computed."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_skeleton(model_dir: Path, config: dict[str, Any]) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise MixprecError(
+            "loading a Hugging Face checkpoint needs transformers: pip install 'mixprec[hf]'"
+        ) from None
+    cfg_dict = {k: v for k, v in config.items() if k != "quantization_config"}
+    model_type = cfg_dict.get("model_type")
+    if not model_type:
+        raise MixprecError(f"{model_dir}/config.json has no model_type")
+    try:
+        cfg = transformers.AutoConfig.for_model(**cfg_dict)
+    except Exception as e:
+        raise MixprecError(f"{model_dir}/config.json: transformers cannot read it ({e})") from None
+    dtype = cfg_dict.get("dtype") or cfg_dict.get("torch_dtype") or "float32"
+    archs = cfg_dict.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    with _parameters_on_meta():
+        try:
+            model = cls(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
+        except Exception as e:
+            raise MixprecError(
+                f"{model_dir}: transformers cannot build {archs or model_type} ({e})"
+            ) from None
+    model.mixprec_dtype = getattr(torch, str(dtype).replace("torch.", ""), torch.float32)
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _scale_grid(scale: torch.Tensor, ml: ModuleLayout, shape: tuple[int, int], where: str) -> torch.Tensor:
+    """Stored scale shapes vary by producer ((), (1,), (out,), (out,1), grid): bring to the grid."""
+    grid = ml.weight_granularity.scale_shape(*shape)
+    s = scale.float()
+    if s.numel() != grid[0] * grid[1]:
+        raise MixprecError(
+            f"{where}: scale has {s.numel()} values, the {ml.weight_granularity.name} layout needs {grid}"
+        )
+    return s.reshape(grid)
+
+
+def _spec_from_scales(doc: dict[str, Any]) -> LayoutSpec:
+    sch = InferenceScheme.from_name(doc.get("scheme", "fp8-dynamic"))
+    ml = ModuleLayout(sch.weight_granularity, sch.input_granularity, sch.input_dynamic, "weight_scale")
+    names = tuple(doc["layers"])
+    return LayoutSpec("scales-file", ((names, ml),), (), False)
+
+
+def load_quantized(
+    path: str | os.PathLike,
+    *,
+    scales: Any = None,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Load an FP8 checkpoint directory as a model whose Linears run FP8 GEMMs; returns it in eval mode.
+
+    The loader's report (what was quantized, recomputed scales, warnings) is `model.mixprec_report`.
+    `scales=`: a path to a scales file, a scales document, or {layer: {"weight_scale": ..., "input_scale": ...}},
+    overriding what the checkpoint and scales file hold.
+    """
+    root = Path(path)
+    ckpt = open_checkpoint(root)
+    cfg_path = root / "config.json"
+    if not cfg_path.exists():
+        raise MixprecError(f"{root} has no config.json (expected a Hugging Face model directory)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise MixprecError(f"{cfg_path}: not valid JSON ({e})") from None
+
+    file_doc, file_path = None, find_scales_file(root)
+    if file_path is not None:
+        file_doc = read_scales_file(file_path)
+    hand = normalize_hand_scales(scales) if scales is not None else None
+    qc = config.get("quantization_config")
+    if qc is not None:
+        spec = parse_quantization_config(qc, str(cfg_path))
+    elif file_doc is not None or hand is not None:
+        spec = _spec_from_scales(file_doc or hand)  # a plain checkpoint + scales: quantize with them
+    else:
+        raise MixprecError(
+            f"{root} is not a quantized checkpoint (no quantization_config in config.json and no scales file); "
+            "quantize it with `mixprec quantize` or load it normally and call mixprec.quantize_model_"
+        )
+
+    model = build_skeleton(root, config)
+    dtype = model.mixprec_dtype
+    report = QuantizationReport(recipe=spec.layout, kind="fp8", device=str(device),
+                                param_dtype=str(dtype).replace("torch.", ""), scheme=spec.layout)  # fmt: skip
+    file_layers = (file_doc or {}).get("layers", {})
+    hand_layers = (hand or {}).get("layers", {})
+
+    tensors: dict[str, torch.Tensor] = {}
+    with ShardReader() as reader:
+        for name, info in ckpt.tensors.items():
+            tensors[name] = reader.get(info)
+
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        ml = spec.module_layout(name, type(mod).__name__)
+        w_name = f"{name}.weight"
+        if ml is None or w_name not in tensors:
+            continue
+        w = tensors.pop(w_name)
+        shape = (mod.out_features, mod.in_features)
+        if tuple(w.shape) != shape:
+            raise MixprecError(f"{root}: {w_name} has shape {tuple(w.shape)}, the model expects {shape}")
+        scale, source = None, None
+        for src_name, layers in (("scales=", hand_layers),):
+            if name in layers and weight_scale_tensor(layers[name]) is not None:
+                scale, source = weight_scale_tensor(layers[name]), src_name
+        stored = tensors.pop(f"{name}.{ml.scale_name}", None)
+        if scale is None and stored is not None:
+            scale, source = stored, "checkpoint"
+        if scale is None and name in file_layers and weight_scale_tensor(file_layers[name]) is not None:
+            scale, source = weight_scale_tensor(file_layers[name]), "scales file"
+            if spec.layout != "scales-file":  # a quantized checkpoint should have held it
+                report.warn(
+                    f"{w_name}: weight scale missing from the checkpoint; taken from {file_path.name}"
+                )
+        sch = ml.as_scheme()
+        if w.dtype == torch.float8_e4m3fn:
+            if scale is None:
+                raise MixprecError(
+                    f"{root}: FP8 weight {w_name} has no scale ({name}.{ml.scale_name} missing, not in a scales "
+                    "file, not given by scales=); it cannot be recomputed from FP8 values"
+                )
+            grid = _scale_grid(scale, ml, shape, f"{root}: {name}.{ml.scale_name}")
+            if not bool(torch.isfinite(grid).all() and (grid > 0).all()):
+                raise MixprecError(f"{root}: {name}.{ml.scale_name} has non-finite or non-positive scales")
+            q = QuantizedTensor(w, grid, E4M3, ml.weight_granularity, torch.Size(shape))
+            rel = None
+        elif w.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            given = None if scale is None else _scale_grid(scale, ml, shape, f"{name} scale from {source}")
+            q, stats = quantize_weight(w, sch, name=w_name, scale=given)
+            rel = stats.relative_error
+            if given is None:
+                report.warn(
+                    f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight"
+                )
+        else:
+            raise MixprecError(f"{root}: {w_name} has dtype {w.dtype}, not FP8 E4M3 or a float type")
+        in_scale = None
+        stored_in = tensors.pop(f"{name}.input_scale", None)
+        if not ml.input_dynamic:
+            if name in hand_layers and input_scale_tensor(hand_layers[name]) is not None:
+                in_scale = input_scale_tensor(hand_layers[name])
+            elif stored_in is not None:
+                in_scale = stored_in.float().reshape(-1)[:1]
+            elif name in file_layers and input_scale_tensor(file_layers[name]) is not None:
+                in_scale = input_scale_tensor(file_layers[name])
+                if spec.layout != "scales-file":
+                    report.warn(
+                        f"{name}.input_scale missing from the checkpoint; taken from {file_path.name}"
+                    )
+            else:
+                report.warn(
+                    f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales"
+                )
+        bias = tensors.pop(f"{name}.bias", None)
+        if bias is None and mod.bias is not None:
+            raise MixprecError(f"{root}: {name}.bias is missing from the checkpoint")
+        new = FP8InferenceLinear(q, bias, sch, input_scale=in_scale, out_dtype=dtype)
+        if in_scale is None and not ml.input_dynamic:
+            new.scheme = InferenceScheme(sch.name, sch.weight_granularity, sch.input_granularity, True)
+        _set_submodule(model, name, new)
+        entry = layer_entry(
+            scheme=sch.name, weight_granularity=ml.weight_granularity.name, weight_scale=q.scale, weight_amax=float("nan"),
+            relative_weight_error=float("nan") if rel is None else rel, shape=shape, input_scale=in_scale,
+            input_dynamic=in_scale is None, input_granularity=new.input_granularity.name,
+        )  # fmt: skip
+        entry["weight"]["scale_source"] = source or "recomputed"
+        report.add_fp8(name, "Linear", w.numel(), entry, "FP8InferenceLinear")
+
+    # KV-cache scales: kept as buffers on their attention modules (used by FP8 KV-cache engines)
+    for name in [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]:
+        owner, _, attr = name.rpartition(".")
+        try:
+            model.get_submodule(owner).register_buffer(attr, tensors.pop(name).float())
+        except AttributeError:
+            report.warn(f"{name}: no module {owner!r} to hold it; ignored")
+
+    _, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    with contextlib.suppress(Exception):  # tie weights the checkpoint omits (lm_head <- embeddings)
+        model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if still_meta:
+        raise MixprecError(f"{root}: tensors missing from the checkpoint: {', '.join(still_meta[:5])}"
+                           + (f" and {len(still_meta) - 5} more" if len(still_meta) > 5 else ""))  # fmt: skip
+    if unexpected:
+        report.warn(
+            f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}"
+        )
+    if file_path is not None:
+        report.notes.append(f"scales file found: {file_path.name}")
+    model.to(device)
+    model.eval()
+    model.mixprec_report = report
+    return model

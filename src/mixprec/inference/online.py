@@ -1,0 +1,154 @@
+"""Online quantization: turn the Linears of a loaded model into FP8 inference Linears, in place.
+
+No model code changes: modules are swapped on their parents. The high-precision weights are dropped
+(the FP8 payload and scales replace them), so memory really falls.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+from mixprec.formats import E4M3
+from mixprec.inference.calibration import calibrate, load_texts, token_batches
+from mixprec.inference.fp8_linear import FP8InferenceLinear
+from mixprec.inference.quant_report import QuantizationReport
+from mixprec.inference.scales_file import layer_entry
+from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
+from mixprec.scaling import compute_scale
+
+
+def linear_targets(
+    model: nn.Module, scheme: InferenceScheme, ignore: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """(names of Linears to quantize, {skipped Linear name: reason})."""
+    targets, skipped = [], {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not isinstance(m, FP8InferenceLinear):
+            why = skip_reason(name, m.out_features, m.in_features, ignore)
+            if why is None and m.weight.device.type == "meta":
+                why = "weight on the meta device"
+            if why:
+                skipped[name] = why
+            else:
+                targets.append(name)
+    return targets, skipped
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _calibration_batches(calib_data: Any, tokenizer: Any, samples: int, seq_len: int) -> Iterable[Any]:
+    if isinstance(calib_data, (str,)) or hasattr(calib_data, "__fspath__"):
+        if tokenizer is None:
+            raise MixprecError("calib_data given as a path needs tokenizer= to turn the text into tokens")
+        return token_batches(load_texts(calib_data), tokenizer, samples, seq_len)
+    if isinstance(calib_data, torch.Tensor):
+        return [calib_data]
+    return calib_data
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and persistent buffers (what the weights take in memory)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def quantize_model_(
+    model: nn.Module,
+    scheme: str | InferenceScheme = "fp8-dynamic",
+    ignore: Sequence[str] | None = None,
+    calib_data: Any = None,
+    *,
+    observer: str = "max",
+    tokenizer: Any = None,
+    calib_samples: int = 512,
+    calib_seq_len: int = 512,
+    scales: dict[str, Any] | None = None,
+    default_ignore: bool = True,
+) -> QuantizationReport:
+    """Quantize `model`'s Linears to FP8 in place and return a QuantizationReport.
+
+    scheme: "fp8-dynamic" | "fp8-static" | "fp8-block". ignore: extra module-name patterns kept in
+    high precision (added to the defaults: lm_head, embeddings, norms, MoE routers). calib_data
+    (fp8-static): an iterable of model inputs (input_ids tensors, dicts of kwargs, tuples), or a text
+    path with tokenizer=. scales: a validated scales document (see scales_file) whose weight/input
+    scales are used instead of computing them.
+    """
+    sch = InferenceScheme.from_name(scheme)
+    patterns = resolve_ignore(ignore, defaults=default_ignore)
+    targets, skipped = linear_targets(model, sch, patterns)
+    modules = dict(model.named_modules())
+    layers_in = (scales or {}).get("layers", {})
+    param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    report = QuantizationReport(
+        recipe=sch.name, kind="fp8", device=str(next((p.device for p in model.parameters()), "cpu")),
+        param_dtype=str(param_dtype).replace("torch.", ""), scheme=sch.name,
+    )  # fmt: skip
+    report.weight_bytes_before = weight_bytes(model)
+
+    input_amax: dict[str, float] = {}
+    if sch.needs_calibration:
+        missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
+        if missing:
+            if calib_data is None:
+                raise MixprecError(
+                    f"scheme {sch.name} needs calibration data (calib_data=) for static input scales "
+                    f"({len(missing)} layers lack them, e.g. {missing[0]!r})"
+                )
+            batches = _calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len)
+            input_amax, _ = calibrate(model, batches, missing, observer=observer)
+            report.notes.append(f"calibrated {len(missing)} input scales with the {observer} observer")
+
+    was_training = model.training
+    for name in targets:
+        lin = modules[name]
+        given = layers_in.get(name, {})
+        w_scale = None
+        if given.get("weight") and "scale" in given["weight"]:
+            w_scale = torch.tensor(given["weight"]["scale"], dtype=torch.float32).reshape(
+                given["weight"].get("scale_shape") or [-1]
+            )
+            if w_scale.dim() == 1:
+                w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
+        q, stats = quantize_weight(lin.weight.detach(), sch, name=f"{name}.weight", scale=w_scale)
+        in_scale = None
+        in_amax = None
+        if sch.needs_calibration:
+            if "scale" in (given.get("input") or {}):
+                in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
+            else:
+                in_amax = input_amax[name]
+                in_scale = compute_scale(in_amax, E4M3).reshape(1)
+        new = FP8InferenceLinear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
+        new.train(False)
+        _set_submodule(model, name, new)
+        modules[name] = new
+        entry = layer_entry(
+            scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
+            weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
+            input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
+            input_granularity=sch.input_granularity.name,
+        )  # fmt: skip
+        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, "FP8InferenceLinear")
+        del lin
+    for name, why in skipped.items():
+        m = modules[name]
+        report.add_skipped(name, type(m).__name__, m.weight.numel(), why)
+    model.train(was_training)
+    gc.collect()
+    report.weight_bytes_after = weight_bytes(model)
+    return report

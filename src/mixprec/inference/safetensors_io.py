@@ -1,0 +1,447 @@
+"""Safetensors checkpoints: find and validate shards, read tensor by tensor with bounded memory, write
+planned shards incrementally, and publish an output directory atomically.
+
+Reading: `ShardReader` reads each tensor's bytes with positioned reads (os.preadv) at the offsets the
+validated headers give, into memory the tensor owns or into a buffer the caller reuses: no memory map,
+so the process RSS holds the tensors at hand and nothing of the shard, and a reused buffer costs no
+page faults.
+
+Writing: the whole output is planned before any tensor is produced (names, dtypes, shapes are known
+from the input headers and the scheme), so each shard's header is written first and every tensor's
+bytes are appended as soon as it exists; nothing is buffered beyond the tensor at hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mixprec.errors import MixprecError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX_NAME = "model.safetensors.index.json"
+
+# safetensors dtype names <-> torch dtypes
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    shard: Path
+    offset: int = -1  # where the tensor's bytes start in the shard file (-1: unknown)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class Checkpoint:
+    """A validated safetensors checkpoint directory."""
+
+    root: Path
+    shards: list[Path]
+    tensors: dict[str, TensorInfo]  # in file order, shard by shard
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def largest_shard_bytes(self) -> int:
+        return max(p.stat().st_size for p in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.shards)
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Parse and check a safetensors header without reading data: (header, data_start)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MixprecError(f"{path}: not a valid safetensors file (corrupt header: {e})") from None
+    if not isinstance(header, dict):
+        raise MixprecError(f"{path}: not a valid safetensors file (header is not a JSON object)")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            a, b = info["data_offsets"]
+            if info["dtype"] not in _DTYPES:
+                raise MixprecError(f"{path}: tensor {name!r} has dtype {info['dtype']} mixprec does not read")
+            numel = 1
+            for d in info["shape"]:
+                numel *= int(d)
+            ok = (
+                isinstance(a, int)
+                and isinstance(b, int)
+                and a >= 0
+                and b - a == numel * _DTYPES[info["dtype"]].itemsize
+            )
+        except (KeyError, TypeError, ValueError):
+            raise MixprecError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if not ok:
+            raise MixprecError(
+                f"{path}: not a valid safetensors file (corrupt header: tensor {name!r} has data_offsets "
+                f"{info['data_offsets']} for shape {info['shape']} {info['dtype']})"
+            )
+        end = max(end, b)
+    if 8 + n + end > size:
+        raise MixprecError(
+            f"{path}: truncated safetensors file ({size} bytes, the header needs {8 + n + end}); "
+            "re-download or re-save the checkpoint"
+        )
+    return header, 8 + n
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+    """Find the safetensors shards of a Hugging Face model directory and validate their headers."""
+    root = Path(model_dir)
+    if not root.exists():
+        raise MixprecError(f"model directory {root} does not exist")
+    if not root.is_dir():
+        raise MixprecError(f"{root} is not a directory (expected a Hugging Face model directory)")
+    index = root / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise MixprecError(f"{index}: malformed index ({e})") from None
+        names = list(dict.fromkeys(weight_map.values()))
+        shards = [root / n for n in names]
+        for s in shards:
+            if not s.exists():
+                raise MixprecError(f"{index} lists shard {s.name}, which is missing from {root}")
+    else:
+        shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise MixprecError(
+                f"{root} holds only pickle checkpoints ({', '.join(pickles[:3])}); mixprec never unpickles "
+                "them. Convert to safetensors first, e.g. in Python: "
+                "AutoModel.from_pretrained(dir, use_safetensors=False).save_pretrained(out) in a trusted environment"
+            )
+        raise MixprecError(f"{root} has no .safetensors files (expected model.safetensors or shards + index)")
+    tensors: dict[str, TensorInfo] = {}
+    metadata: dict[str, str] = {}
+    for shard in shards:
+        header, data_start = _read_header(shard)
+        metadata.update(header.get("__metadata__") or {})
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if name in tensors:
+                raise MixprecError(
+                    f"tensor {name!r} appears in both {tensors[name].shard.name} and {shard.name}"
+                )
+            offset = data_start + info["data_offsets"][0]
+            tensors[name] = TensorInfo(name, _DTYPES[info["dtype"]], tuple(info["shape"]), shard, offset)
+    return Checkpoint(root, shards, tensors, metadata)
+
+
+class ShardReader:
+    """Reads tensors with positioned reads at their header offsets; safe to share between threads.
+
+    `get(info)` returns a tensor owning its memory; `get(info, out=buffer)` reads into the first
+    info.nbytes bytes of a reusable uint8 buffer and returns a view of it; `read_range` reads a byte
+    range of a tensor (to stream a big tensor through a small buffer).
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[Path, object] = {}
+        self._lock = threading.Lock()
+
+    def _file(self, path: Path):
+        with self._lock:
+            f = self._files.get(path)
+            if f is None:
+                try:
+                    f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+                except OSError as e:
+                    raise MixprecError(f"{path}: cannot read safetensors file ({e})") from None
+                self._files[path] = f
+            return f
+
+    def read_range(self, info: TensorInfo, start: int, out: memoryview) -> None:
+        """Fill `out` with the tensor's bytes from byte `start` on."""
+        if info.offset < 0:
+            raise RuntimeError(f"tensor {info.name!r} has no known file offset")
+        f = self._file(info.shard)
+        pos, done, want = info.offset + start, 0, len(out)
+        try:
+            while done < want:
+                if hasattr(os, "preadv"):
+                    n = os.preadv(f.fileno(), [out[done:]], pos + done)
+                else:  # platforms without preadv: one reader at a time
+                    with self._lock:
+                        f.seek(pos + done)
+                        n = f.readinto(out[done:])
+                if not n:
+                    raise MixprecError(
+                        f"{info.shard}: truncated safetensors file (tensor {info.name!r} ends past the end of the file)"
+                    )
+                done += n
+        except OSError as e:
+            raise MixprecError(f"{info.shard}: cannot read tensor {info.name!r} ({e})") from None
+
+    def get(self, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+        nbytes = info.nbytes
+        if out is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < nbytes:
+                raise RuntimeError(f"read buffer too small or not contiguous uint8 for {info.name!r}")
+            buf = out.view(-1)[:nbytes]
+        if nbytes:
+            self.read_range(info, 0, memoryview(buf.numpy()))
+        return buf.view(info.dtype).view(info.shape)
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Group tensors in order into shards of at most max_shard_bytes (a bigger tensor gets its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+class PlannedShardWriter:
+    """Writes planned shards: header first, then each tensor's bytes the moment it is given.
+
+    Tensors must be given in plan order. Each is checked against its plan (name, dtype, shape).
+    """
+
+    def __init__(
+        self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None
+    ):
+        self.out_dir = out_dir
+        self.shards = shards
+        self.names = shard_names(len(shards))
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._order = [(i, t) for i, shard in enumerate(shards) for t in shard]
+        self._pos = 0
+        self._file = None
+        self._shard = -1
+
+    def _open_shard(self, i: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        offset = 0
+        for t in self.shards[i]:
+            header[t.name] = {
+                "dtype": _NAMES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((-len(raw)) % 8)  # data aligned to 8 bytes, as safetensors writes it
+        self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _open_shard/close
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+        self._shard = i
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._pos >= len(self._order):
+            raise RuntimeError(f"tensor {name!r} was not planned")
+        i, plan = self._order[self._pos]
+        if plan.name != name or plan.dtype != tensor.dtype or tuple(plan.shape) != tuple(tensor.shape):
+            raise RuntimeError(
+                f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} does not match the plan "
+                f"{plan.name} {plan.dtype} {plan.shape}"
+            )
+        if i != self._shard:
+            self._open_shard(i)
+        t = tensor.detach().contiguous().cpu()
+        if t.numel():
+            self._file.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        self._pos += 1
+
+    def write_chunks(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[memoryview]
+    ) -> None:
+        """Write a planned tensor from its raw bytes, given in pieces (streamed, never whole in memory)."""
+        if self._pos >= len(self._order):
+            raise RuntimeError(f"tensor {name!r} was not planned")
+        i, plan = self._order[self._pos]
+        if plan.name != name or plan.dtype != dtype or tuple(plan.shape) != tuple(shape):
+            raise RuntimeError(f"tensor {name} {dtype} {tuple(shape)} does not match the plan "
+                               f"{plan.name} {plan.dtype} {plan.shape}")  # fmt: skip
+        if i != self._shard:
+            self._open_shard(i)
+        written = 0
+        for chunk in chunks:
+            self._file.write(chunk)
+            written += len(chunk)
+        if written != plan.nbytes:
+            raise RuntimeError(f"tensor {name}: {written} bytes written, {plan.nbytes} planned")
+        self._pos += 1
+
+    def close(self) -> dict[str, str]:
+        """Finish; returns the weight map (tensor name -> shard file name)."""
+        if self._pos != len(self._order):
+            missing = self._order[self._pos][1].name
+            raise RuntimeError(f"output incomplete: tensor {missing!r} was never written")
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return {t.name: self.names[i] for i, t in self._order}
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def write_index(out_dir: Path, weight_map: dict[str, str], total_size: int) -> None:
+    if len(set(weight_map.values())) <= 1:
+        return
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output directory
+
+
+def check_output(model_dir: Path, output_dir: Path, force: bool) -> None:
+    src, dst = model_dir.resolve(), output_dir.resolve()
+    if src == dst:
+        raise MixprecError(f"output {output_dir} is the input directory; mixprec never modifies its input")
+    if src in dst.parents:
+        raise MixprecError(
+            f"output {output_dir} is inside the input directory {model_dir}; choose another place"
+        )
+    if dst in src.parents:
+        raise MixprecError(
+            f"output {output_dir} contains the input directory {model_dir}; choose another place"
+        )
+    if output_dir.exists() and not force:
+        raise MixprecError(f"output {output_dir} already exists; pass --force (force=True) to replace it")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise MixprecError(f"output {output_dir} exists and is not a directory")
+
+
+@contextmanager
+def atomic_output_dir(output_dir: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary directory beside `output_dir`; on success it replaces `output_dir`, on any
+    error it is removed, leaving nothing behind."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if output_dir.exists():
+        if not force:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MixprecError(f"output {output_dir} appeared while quantizing; pass --force to replace it")
+        old = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(output_dir, old)
+        os.replace(tmp, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, output_dir)
+
+
+def copy_side_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str]:
+    """Copy tokenizer, generation config and other small non-weight files (not config.json, shards,
+    index, pickles, which the writer produces or refuses)."""
+    copied = []
+    for p in sorted(model_dir.iterdir()):
+        if not p.is_file() or p.name in skip or p.suffix == ".safetensors" or p.suffix in PICKLE_SUFFIXES:
+            continue
+        if p.name in (INDEX_NAME, "config.json", "model.fp8_scales.json", "fp8_scales.json"):
+            continue
+        shutil.copy2(p, out_dir / p.name)
+        copied.append(p.name)
+    return copied

@@ -1,0 +1,204 @@
+"""model.fp8_scales.json: a readable record of every quantized layer and its scales.
+
+Written beside the weights by `quantize_checkpoint`; read back by `load_quantized` (which finds it by
+itself, also under the name fp8_scales.json) to fill in scales a checkpoint lacks, or given by hand
+through `scales=`. Schema: docs/schemas/fp8_scales.md. Scales are dequantization multipliers
+(value ≈ fp8 * scale) stored as the float32 values themselves (JSON floats round-trip them exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.errors import MixprecError
+
+SCHEMA_VERSION = 1
+SCALES_NAMES = ("model.fp8_scales.json", "fp8_scales.json")
+
+
+def find_scales_file(model_dir: Path) -> Path | None:
+    for name in SCALES_NAMES:
+        p = model_dir / name
+        if p.exists():
+            return p
+    return None
+
+
+def layer_entry(
+    *,
+    scheme: str,
+    weight_granularity: str,
+    weight_scale: torch.Tensor,
+    weight_amax: float,
+    relative_weight_error: float,
+    shape: tuple[int, int],
+    input_scale: torch.Tensor | None = None,
+    input_amax: float | None = None,
+    input_dynamic: bool = True,
+    input_granularity: str = "row",
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "scheme": scheme,
+        "shape": [int(shape[0]), int(shape[1])],
+        "weight": {
+            "granularity": weight_granularity,
+            "scale_shape": list(weight_scale.shape),
+            "scale": weight_scale.float().flatten().tolist(),
+            "amax": float(weight_amax),
+            "relative_error": float(relative_weight_error),
+        },
+        "input": {"dynamic": bool(input_dynamic), "granularity": input_granularity},
+    }
+    if input_scale is not None:
+        entry["input"]["scale"] = float(input_scale.reshape(-1)[0])
+    if input_amax is not None:
+        entry["input"]["amax"] = float(input_amax)
+    return entry
+
+
+def build_document(
+    *,
+    scheme: str,
+    layout: str,
+    layers: dict[str, dict[str, Any]],
+    kv_cache: dict[str, dict[str, float]] | None,
+    ignored: dict[str, str],
+    calibration: dict[str, Any] | None,
+    producer: str,
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "producer": producer,
+        "scheme": scheme,
+        "checkpoint_format": layout,
+        "element_format": "float8_e4m3fn",
+        "scale_convention": "dequantization multiplier: value = fp8 * scale; scale = amax / 448",
+        "calibration": calibration,
+        "layers": layers,
+        "kv_cache": kv_cache or {},
+        "not_quantized": ignored,
+    }
+
+
+def write_scales_file(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _bad(path: str, what: str) -> MixprecError:
+    return MixprecError(f"malformed scales file {path}: {what}")
+
+
+def _positive_finite(x: Any, path: str, where: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise _bad(path, f"{where} must be a positive finite number, got {x!r}")
+    return float(x)
+
+
+def validate_document(doc: Any, path: str = "<scales>") -> dict[str, Any]:
+    """Check structure and values; returns the document. Every problem names the field."""
+    if not isinstance(doc, dict):
+        raise _bad(path, "top level must be a JSON object")
+    version = doc.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise _bad(path, "missing integer 'schema_version'")
+    if version > SCHEMA_VERSION:
+        raise _bad(path, f"schema_version {version} is newer than this mixprec reads ({SCHEMA_VERSION})")
+    layers = doc.get("layers")
+    if not isinstance(layers, dict):
+        raise _bad(path, "'layers' must be an object of layer name -> entry")
+    for name, e in layers.items():
+        where = f"layers[{name!r}]"
+        if not isinstance(e, dict):
+            raise _bad(path, f"{where} must be an object")
+        w = e.get("weight")
+        if w is not None:
+            if not isinstance(w, dict) or not isinstance(w.get("scale"), list):
+                raise _bad(path, f"{where}.weight.scale must be a list of numbers")
+            for i, s in enumerate(w["scale"]):
+                _positive_finite(s, path, f"{where}.weight.scale[{i}]")
+            shape = w.get("scale_shape")
+            if shape is not None:
+                if not (isinstance(shape, list) and all(isinstance(s, int) and s > 0 for s in shape)):
+                    raise _bad(path, f"{where}.weight.scale_shape must be a list of positive integers")
+                if math.prod(shape) != len(w["scale"]):
+                    raise _bad(
+                        path, f"{where}.weight.scale has {len(w['scale'])} values, scale_shape {shape}"
+                    )
+        inp = e.get("input")
+        if inp is not None:
+            if not isinstance(inp, dict):
+                raise _bad(path, f"{where}.input must be an object")
+            if "scale" in inp:
+                _positive_finite(inp["scale"], path, f"{where}.input.scale")
+    kv = doc.get("kv_cache", {})
+    if not isinstance(kv, dict):
+        raise _bad(path, "'kv_cache' must be an object")
+    for name, e in kv.items():
+        if not isinstance(e, dict):
+            raise _bad(path, f"kv_cache[{name!r}] must be an object")
+        for k in ("k_scale", "v_scale"):
+            if k in e:
+                _positive_finite(e[k], path, f"kv_cache[{name!r}].{k}")
+    return doc
+
+
+def read_scales_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise MixprecError(f"scales file {p} does not exist")
+    try:
+        doc = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _bad(str(p), f"not valid JSON ({e})") from None
+    return validate_document(doc, str(p))
+
+
+def weight_scale_tensor(entry: dict[str, Any]) -> torch.Tensor | None:
+    w = entry.get("weight")
+    if not w or "scale" not in w:
+        return None
+    t = torch.tensor(w["scale"], dtype=torch.float32)
+    shape = w.get("scale_shape")
+    return t.reshape(shape) if shape else t
+
+
+def input_scale_tensor(entry: dict[str, Any]) -> torch.Tensor | None:
+    inp = entry.get("input") or {}
+    return torch.tensor([inp["scale"]], dtype=torch.float32) if "scale" in inp else None
+
+
+def normalize_hand_scales(scales: Any) -> dict[str, Any]:
+    """`scales=` given by hand: a path to a scales file, a full document, or a plain mapping
+    {layer: {"weight_scale": tensor|list|float, "input_scale": float}} (also {layer: float}
+    meaning a per-tensor input scale is NOT assumed: a bare number is the weight scale)."""
+    if isinstance(scales, (str, os.PathLike)):
+        return read_scales_file(scales)
+    if not isinstance(scales, dict):
+        raise MixprecError(f"scales= must be a path or a dict, got {type(scales).__name__}")
+    if "schema_version" in scales:
+        return validate_document(scales, "scales=")
+    layers: dict[str, Any] = {}
+    for name, v in scales.items():
+        if isinstance(v, (int, float, torch.Tensor, list)):
+            v = {"weight_scale": v}
+        if not isinstance(v, dict):
+            raise MixprecError(f"scales[{name!r}] must be a number, tensor or dict, got {type(v).__name__}")
+        entry: dict[str, Any] = {}
+        if "weight_scale" in v:
+            ws = torch.as_tensor(v["weight_scale"], dtype=torch.float32)
+            entry["weight"] = {"scale": ws.flatten().tolist(), "scale_shape": list(ws.shape) or [1]}
+        if "input_scale" in v:
+            entry["input"] = {
+                "dynamic": False,
+                "scale": float(torch.as_tensor(v["input_scale"]).reshape(-1)[0]),
+            }
+        layers[name] = entry
+    return validate_document({"schema_version": SCHEMA_VERSION, "layers": layers}, "scales=")

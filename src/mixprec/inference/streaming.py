@@ -1,0 +1,530 @@
+"""Offline quantization of a Hugging Face safetensors checkpoint: `quantize_checkpoint`.
+
+Calibration-free schemes (fp8-dynamic, fp8-block) never instantiate the model: Linear weights are
+recognised by name and 2-D shape, confirmed against the Linear modules of the model built on the meta
+device from config.json (free: no memory; skipped for the model types of LINEAR_BY_NAME_MODEL_TYPES),
+and every tensor streams from the input shards to planned output shards, a few Linear weights in
+memory at a time (reused buffers; see _stream_tensors). Calibration (fp8-static, --kv-cache fp8)
+loads the model once to observe activations, frees it, then streams the weights the same way.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import re
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.errors import MixprecError
+from mixprec.formats import E4M3
+from mixprec.inference import layouts
+from mixprec.inference.quant_report import QuantizationReport
+from mixprec.inference.safetensors_io import (
+    Checkpoint,
+    PlannedShardWriter,
+    PlannedTensor,
+    ShardReader,
+    atomic_output_dir,
+    check_output,
+    copy_side_files,
+    open_checkpoint,
+    plan_shards,
+    write_index,
+    write_json_atomic,
+)
+from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.schemes import (
+    InferenceScheme,
+    check_finite,
+    quantize_weight,
+    resolve_ignore,
+    skip_reason,
+)
+from mixprec.scaling import compute_scale
+
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def parse_size(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper().replace("IB", "B")
+    for unit, mult in (("KB", 1 << 10), ("MB", 1 << 20), ("GB", 1 << 30), ("TB", 1 << 40), ("B", 1)):
+        if s.endswith(unit):
+            try:
+                return int(float(s[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise MixprecError(f"bad size {size!r} (use e.g. 500MB, 2GB)") from None
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    p = model_dir / "config.json"
+    if not p.exists():
+        raise MixprecError(f"{model_dir} has no config.json (expected a Hugging Face model directory)")
+    try:
+        cfg = json.loads(p.read_text())
+    except ValueError as e:
+        raise MixprecError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise MixprecError(f"{p}: must hold a JSON object")
+    if "quantization_config" in cfg:
+        raise MixprecError(f"{p} already has a quantization_config ({cfg['quantization_config'].get('quant_method')}): "
+                           "the checkpoint is already quantized")  # fmt: skip
+    return cfg
+
+
+def meta_linear_modules(
+    model_dir: Path, config: dict[str, Any]
+) -> tuple[dict[str, tuple[int, int]] | None, str]:
+    """{module name: (out, in)} of nn.Linear modules of the model built on the meta device, or None
+    (with the reason) when transformers cannot build it."""
+    try:
+        import transformers
+        from torch import nn
+    except ImportError:
+        return None, "transformers not installed"
+    archs = config.get("architectures") or []
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
+        cls = getattr(transformers, archs[0], None) if archs else None
+        with torch.device("meta"):
+            model = cls(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
+    except Exception as e:  # any failure only means we fall back on names and shapes
+        return None, f"could not build the model on the meta device ({type(e).__name__}: {e})"
+    found = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix:  # checkpoints of the bare base model lack the prefix, those of head models have it
+        found.update({n[len(prefix) + 1 :]: s for n, s in list(found.items()) if n.startswith(prefix + ".")})
+    return found, ""
+
+
+# Model types whose every 2-D floating `.weight` belongs to an nn.Linear, except the embeddings (named
+# as below): checked on transformers 5.24 meta models (CausalLM, base, MaskedLM, SequenceClassification
+# classes; tests/inference/test_quantize_weight_tiled.py re-checks a few). For them the model need not
+# be built: importing transformers' modelling code takes seconds, longer than quantizing 1 GB.
+LINEAR_BY_NAME_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite", "starcoder2",
+     "phi", "stablelm", "cohere", "bert", "roberta", "xlm-roberta", "distilbert", "electra"}
+)  # fmt: skip
+_EMBEDDING = re.compile(
+    r"(^|\.)(embed_tokens|embed_in|embed_out|wte|wpe|word_embeddings|position_embeddings"
+    r"|token_type_embeddings|embeddings)(\.|$)"
+)
+
+
+def find_linear_weights(ckpt: Checkpoint, model_dir: Path, config: dict[str, Any], report: QuantizationReport) -> dict[str, tuple[int, int]]:  # fmt: skip
+    """Module names whose `.weight` is a Linear weight: 2-D floating tensors, confirmed by the meta model
+    (or, for the model types of LINEAR_BY_NAME_MODEL_TYPES, all but the embeddings)."""
+    candidates = {
+        n[: -len(".weight")]: tuple(t.shape)
+        for n, t in ckpt.tensors.items()
+        if n.endswith(".weight") and len(t.shape) == 2 and t.dtype in FLOAT_DTYPES
+    }
+    if config.get("model_type") in LINEAR_BY_NAME_MODEL_TYPES:
+        return {n: s for n, s in candidates.items() if not _EMBEDDING.search(n)}
+    meta, why = meta_linear_modules(model_dir, config)
+    if meta is None:
+        report.warn(f"recognising Linear weights by name and 2-D shape only: {why}")
+        return candidates  # embeddings etc. are excluded by the default ignore patterns
+    return {n: s for n, s in candidates.items() if meta.get(n) == s}
+
+
+def _load_for_calibration(model_dir: Path, config: dict[str, Any]):
+    try:
+        import transformers
+    except ImportError:
+        raise MixprecError("calibration needs transformers: pip install 'mixprec[hf]'") from None
+    archs = config.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    cls = cls or transformers.AutoModel
+    model = cls.from_pretrained(str(model_dir), dtype="auto")
+    return model.eval()
+
+
+def _load_tokenizer(model_dir: Path):
+    try:
+        import transformers
+    except ImportError:
+        raise MixprecError("calibration needs transformers: pip install 'mixprec[hf]'") from None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise MixprecError(f"calibration needs the tokenizer of {model_dir}: cannot load it ({e})") from None
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def quantize_checkpoint(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    scheme: str | InferenceScheme = "fp8-dynamic",
+    *,
+    ignore: Sequence[str] | None = None,
+    default_ignore: bool = True,
+    calib_data: str | Path | None = None,
+    calib_samples: int = 512,
+    calib_seq_len: int = 512,
+    observer: str = "max",
+    format: str = "compressed-tensors",
+    kv_cache: str | None = None,
+    force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    layer_by_layer: bool | None = None,
+    progress: bool = True,
+) -> QuantizationReport:
+    """Quantize a local Hugging Face safetensors checkpoint to FP8; write it to output_dir atomically.
+
+    layer_by_layer (calibration only): run the model one transformer block at a time (True), the
+    whole model at once (False), or decide by memory (None: when the checkpoint exceeds half of the
+    available RAM).
+    """
+    from mixprec import __version__
+
+    sch = InferenceScheme.from_name(scheme)
+    if format not in layouts.LAYOUTS:
+        raise MixprecError(f"unknown checkpoint format {format!r}; known: {', '.join(layouts.LAYOUTS)}")
+    if kv_cache not in (None, "fp8", "fp8_e4m3", "e4m3"):
+        raise MixprecError(f"--kv-cache takes 'fp8', got {kv_cache!r}")
+    if format == "hf-fp8":
+        layouts.hf_fp8_quantization_config(sch, [])  # refuses non-block schemes
+        if kv_cache:
+            raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    ckpt = open_checkpoint(model_dir)
+    check_output(model_dir, output_dir, force)
+    config = read_config(model_dir)
+    max_bytes = parse_size(max_shard_size)
+    if sch.needs_calibration or kv_cache:
+        if calib_data is None:
+            raise MixprecError(f"{'scheme ' + sch.name if sch.needs_calibration else '--kv-cache fp8'} needs "
+                               "--calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")  # fmt: skip
+        from mixprec.inference.calibration import load_texts, make_observer
+
+        make_observer(observer)  # fail on a bad name before any work
+        texts = load_texts(calib_data)
+
+    report = QuantizationReport(
+        recipe=sch.name, kind="fp8", device="cpu", param_dtype=str(config.get("dtype") or config.get("torch_dtype")),
+        scheme=sch.name, output=str(output_dir),
+    )  # fmt: skip
+    patterns = resolve_ignore(ignore, defaults=default_ignore)
+    linears = find_linear_weights(ckpt, model_dir, config, report)
+    targets: dict[str, tuple[int, int]] = {}
+    skipped: dict[str, str] = {}
+    for name, (out_f, in_f) in linears.items():
+        why = skip_reason(name, out_f, in_f, patterns)
+        if why:
+            skipped[name] = why
+        else:
+            targets[name] = (out_f, in_f)
+    if not targets:
+        report.warn(f"no Linear weight of {model_dir} is quantized (all ignored or none recognised)")
+
+    input_amax: dict[str, float] = {}
+    kv_amax: dict[int, tuple[float, float]] = {}
+    calibration_info = None
+    if sch.needs_calibration or kv_cache:
+        from mixprec.inference.calibration import calibrate, token_batches
+
+        tok = _load_tokenizer(model_dir)
+        batches = token_batches(texts, tok, calib_samples, calib_seq_len)
+        names = list(targets) if sch.needs_calibration else []
+        if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
+            layer_by_layer = ckpt.total_bytes > 0.5 * _available_memory()
+        if layer_by_layer:
+            from mixprec.inference.layerwise import calibrate_layerwise
+
+            n_blocks = int(config.get("num_hidden_layers") or 0)
+            with _progress(progress, "calibrating layer by layer", n_blocks or None) as advance:
+                input_amax, kv_amax, model = calibrate_layerwise(
+                    model_dir, config, ckpt, batches, names, observer=observer, kv_cache=bool(kv_cache),
+                    progress=advance,
+                )  # fmt: skip
+        else:
+            model = _load_for_calibration(model_dir, config)
+            with _progress(progress, "calibrating", len(batches)) as advance:
+                input_amax, kv_amax = calibrate(
+                    model, batches, names, observer=observer, kv_cache=bool(kv_cache), progress=advance
+                )
+        n_tokens = sum(b.numel() for b in batches)
+        calibration_info = {"data": str(calib_data), "samples": sum(len(b) for b in batches), "tokens": n_tokens,
+                            "seq_len": int(batches[0].shape[1]), "observer": observer}  # fmt: skip
+        calibration_info["layer_by_layer"] = bool(layer_by_layer)
+        kv_names = {i: _attention_module_name(model, i) for i in kv_amax}
+        del model
+        gc.collect()
+
+    # ---- plan every output tensor --------------------------------------------------------------
+    names = layouts.tensor_names(format)
+    planned: list[PlannedTensor] = []
+    for n, info in ckpt.tensors.items():
+        module = n[: -len(".weight")] if n.endswith(".weight") else None
+        if module in targets:
+            out_f, in_f = targets[module]
+            planned.append(PlannedTensor(n, torch.float8_e4m3fn, info.shape))
+            planned.append(
+                PlannedTensor(
+                    f"{module}.{names['weight_scale']}", torch.float32, sch.scale_shape(out_f, in_f)
+                )
+            )
+            if sch.needs_calibration:
+                planned.append(PlannedTensor(f"{module}.{names['input_scale']}", torch.float32, (1,)))
+        else:
+            planned.append(PlannedTensor(n, info.dtype, info.shape))
+    kv_tensors: dict[str, torch.Tensor] = {}
+    kv_doc: dict[str, dict[str, float]] = {}
+    for i, (ka, va) in kv_amax.items():
+        attn = kv_names[i]
+        ks, vs = compute_scale(ka, E4M3).reshape(1), compute_scale(va, E4M3).reshape(1)
+        kv_tensors[f"{attn}.k_scale"], kv_tensors[f"{attn}.v_scale"] = ks, vs
+        kv_doc[attn] = {"k_scale": float(ks), "v_scale": float(vs), "k_amax": ka, "v_amax": va}
+    planned += [PlannedTensor(n, torch.float32, (1,)) for n in kv_tensors]
+
+    layers: dict[str, dict[str, Any]] = {}
+    total = sum(t.nbytes for t in planned)
+    with atomic_output_dir(output_dir, force) as tmp:
+        writer = PlannedShardWriter(
+            tmp, plan_shards(planned, max_bytes), {"producer": f"mixprec {__version__}"}
+        )
+        try:
+            _stream_tensors(ckpt, writer, targets, sch, names, input_amax, layers, report, progress)
+            for n, t in kv_tensors.items():
+                writer.write(n, t)
+            weight_map = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        write_index(tmp, weight_map, total)
+        report.weight_bytes_after = total
+        ignored_linears = sorted(skipped)
+        for name, why in skipped.items():
+            report.add_skipped(name, "Linear", 0, why)
+        out_cfg = dict(config)
+        if format == "compressed-tensors":
+            out_cfg["quantization_config"] = layouts.ct_quantization_config(
+                sch, ignored_linears, bool(kv_cache)
+            )
+        else:
+            out_cfg["quantization_config"] = layouts.hf_fp8_quantization_config(sch, ignored_linears)
+        write_json_atomic(tmp / "config.json", out_cfg)
+        copied = copy_side_files(model_dir, tmp, skip=set())
+        report.notes.append(f"copied {', '.join(copied) or 'no side files'}")
+        doc = build_document(
+            scheme=sch.name, layout=format, layers=layers, kv_cache=kv_doc, ignored=skipped,
+            calibration=calibration_info, producer=f"mixprec {__version__}",
+        )  # fmt: skip
+        write_scales_file(tmp / "model.fp8_scales.json", doc)
+    return report
+
+
+# Bytes of a tensor written unchanged that are read, checked and written at a time.
+_COPY_CHUNK_BYTES = 16 << 20
+
+
+def _stream_tensors(
+    ckpt: Checkpoint,
+    writer: PlannedShardWriter,
+    targets: dict[str, tuple[int, int]],
+    sch: InferenceScheme,
+    names: dict[str, str],
+    input_amax: dict[str, float],
+    layers: dict[str, dict[str, Any]],
+    report: QuantizationReport,
+    progress: bool,
+) -> None:
+    """Every input tensor to the writer, in plan order.
+
+    Linear weights are read and quantized on worker threads (one intra-op thread each: torch releases
+    the GIL, and small per-op parallel regions are slow on a busy machine), a few ahead of the writer;
+    this thread writes them in order, and streams the tensors kept unchanged through a small buffer
+    (read, checked for NaN/inf, written). Read and payload buffers are reused, so memory stays at a few
+    Linear weights and pages are not faulted in again for every tensor.
+    """
+    workers = max(1, min(4, os.cpu_count() or 1))
+    depth = workers + 1  # quantize tasks in flight
+    weight_bytes = max((ckpt.tensors[f"{m}.weight"].nbytes for m in targets), default=0)
+    payload_elems = max((o * i for o, i in targets.values()), default=0)
+    in_pool = _BufferPool(weight_bytes)
+    out_pool = _BufferPool(payload_elems)
+    chunk = torch.empty(_COPY_CHUNK_BYTES, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with (
+            ShardReader() as reader,
+            ThreadPoolExecutor(max_workers=workers) as pool,
+            _progress(progress, f"quantizing ({sch.name})", len(ckpt.tensors)) as advance,
+        ):
+            todo = iter(ckpt.tensors.items())
+            pending: deque = deque()  # (info, module, future or None), in plan order
+            in_flight = 0
+
+            def submit() -> bool:
+                nonlocal in_flight
+                for n, info in todo:
+                    module = n[: -len(".weight")] if n.endswith(".weight") else None
+                    if module in targets:
+                        fut = pool.submit(
+                            _quantize_task, reader, info, module, targets[module], sch, names,
+                            input_amax.get(module), in_pool, out_pool,
+                        )  # fmt: skip
+                        pending.append((info, module, fut))
+                        in_flight += 1
+                        return True
+                    pending.append((info, None, None))
+                return False
+
+            while in_flight < depth and submit():
+                pass
+            while pending:
+                info, module, fut = pending.popleft()
+                if fut is None:
+                    _copy_through(reader, writer, info, chunk)
+                else:
+                    in_flight -= 1
+                    out, entry, payload = fut.result()
+                    for name, tensor in out:
+                        writer.write(name, tensor)
+                    out_pool.release(payload)
+                    layers[module] = entry
+                    report.add_fp8(module, "Linear", info.nbytes // info.dtype.itemsize, entry, "fp8")
+                    while in_flight < depth and submit():
+                        pass
+                report.weight_bytes_before += info.nbytes
+                advance()
+    except BaseException:
+        for item in pending:  # let running tasks finish before their buffers go away
+            if item[2] is not None:
+                item[2].cancel()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _BufferPool:
+    """Reusable flat buffers of `size` elements (uint8), handed out one per task in flight."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty(self.size, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def _copy_through(reader: ShardReader, writer: PlannedShardWriter, info, chunk: torch.Tensor) -> None:
+    """A tensor written unchanged: streamed through `chunk`, floating ones checked for NaN/inf."""
+    step = len(chunk) - len(chunk) % max(1, info.dtype.itemsize)
+    check = info.dtype in FLOAT_DTYPES
+
+    def pieces():
+        for start in range(0, info.nbytes, step):
+            n = min(step, info.nbytes - start)
+            mv = memoryview(chunk.numpy())[:n]
+            reader.read_range(info, start, mv)
+            if check and n:
+                values = chunk[:n].view(info.dtype)
+                lo, hi = torch.aminmax(values)  # NaN propagates; an inf shows in lo or hi
+                if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+                    check_finite(reader.get(info), info.name)  # the whole tensor: the exact count
+            yield mv
+
+    writer.write_chunks(info.name, info.dtype, info.shape, pieces())
+
+
+def _quantize_task(
+    reader: ShardReader,
+    info,
+    module: str,
+    shape: tuple[int, int],
+    sch: InferenceScheme,
+    names: dict[str, str],
+    in_amax: float | None,
+    in_pool: _BufferPool,
+    out_pool: _BufferPool,
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]:
+    """Read and quantize one Linear weight (on a worker thread): the output tensors in plan order, its
+    scales-file entry, and the payload buffer to release once written."""
+    buf = in_pool.get()
+    try:
+        w = reader.get(info, out=buf)
+        payload = out_pool.get()
+        data = payload[: w.numel()].view(torch.float8_e4m3fn).view(shape)
+        q, stats = quantize_weight(w, sch, name=info.name, out=data)
+    finally:
+        in_pool.release(buf)
+    out = [
+        (info.name, q.data),
+        (f"{module}.{names['weight_scale']}", q.scale.reshape(sch.scale_shape(*shape))),
+    ]
+    in_scale = None
+    if sch.needs_calibration:
+        in_scale = compute_scale(in_amax, E4M3).reshape(1)
+        out.append((f"{module}.{names['input_scale']}", in_scale))
+    entry = layer_entry(
+        scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
+        weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
+        input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
+        input_granularity=sch.input_granularity.name,
+    )  # fmt: skip
+    return out, entry, payload
+
+
+def _attention_module_name(model: Any, layer_idx: int) -> str:
+    for name, m in model.named_modules():
+        if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "k_proj"):
+            return name
+    raise MixprecError(f"no attention module with layer_idx {layer_idx} and a k_proj for the KV-cache scales")
+
+
+def _progress(enabled: bool, description: str, total: int):
+    if not enabled:
+        return nullcontext(lambda: None)
+    return _RichProgress(description, total)
+
+
+class _RichProgress:
+    def __init__(self, description: str, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False)  # fmt: skip
+        self._task = self._p.add_task(description, total=total)
+
+    def __enter__(self):
+        self._p.__enter__()
+        return lambda: self._p.advance(self._task)
+
+    def __exit__(self, *exc):
+        return self._p.__exit__(*exc)

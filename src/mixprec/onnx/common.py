@@ -1,0 +1,84 @@
+"""Shared helpers of the ONNX package: optional imports, loading a model file safely, atomic saving."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from mixprec.errors import MixprecError
+
+MIN_OPSET = 19  # FP8 types in QuantizeLinear / DequantizeLinear arrived in opset 19
+
+
+def need_onnx():
+    try:
+        import onnx
+    except ImportError:
+        raise MixprecError("ONNX support needs the 'onnx' extra: pip install 'mixprec[onnx]'") from None
+    return onnx
+
+
+def need_ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise MixprecError("checking ONNX graphs needs onnxruntime: pip install 'mixprec[onnx]'") from None
+    return onnxruntime
+
+
+def load_model(path: str | os.PathLike, what: str = "ONNX model"):
+    """onnx.load with a clear error for a missing file or one that is not an ONNX model."""
+    onnx = need_onnx()
+    p = Path(path)
+    if not p.is_file():
+        raise MixprecError(f"{what} {p} does not exist")
+    try:
+        model = onnx.load(str(p))
+    except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning-like and OSError variants
+        raise MixprecError(f"{what} {p} is not an ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node or not model.graph.output:
+        raise MixprecError(f"{what} {p} is not an ONNX model (no graph nodes or outputs)")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise MixprecError(f"{what} {p} is not a valid ONNX model: {str(exc).splitlines()[0]}") from None
+    return model
+
+
+def default_opset(model) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return int(imp.version)
+    return 0
+
+
+def check_output(output: Path, force: bool, inputs: tuple[Path, ...] = ()) -> None:
+    for i in inputs:
+        if i.exists() and output.exists() and output.resolve() == i.resolve():
+            raise MixprecError(f"output {output} is the input: inputs are never modified")
+    if output.exists() and not force:
+        raise MixprecError(f"output {output} exists (use --force to overwrite)")
+    if output.suffix != ".onnx":
+        raise MixprecError(f"output {output} must end in .onnx")
+
+
+def save_model_atomic(model, output: Path) -> Path:
+    """Write next to the target, then rename; graphs over 2 GB keep their weights in `<name>.data`."""
+    onnx = need_onnx()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    big = model.ByteSize() > 1_900_000_000 if hasattr(model, "ByteSize") else False
+    tmpdir = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}."))
+    try:
+        tmp = tmpdir / output.name
+        if big:
+            onnx.save_model(model, str(tmp), save_as_external_data=True, location=output.name + ".data")
+        else:
+            onnx.save_model(model, str(tmp))
+        for f in tmpdir.iterdir():
+            os.replace(f, output.parent / f.name)
+    finally:
+        for f in tmpdir.iterdir():
+            f.unlink()
+        tmpdir.rmdir()
+    return output

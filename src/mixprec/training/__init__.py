@@ -1,0 +1,40 @@
+"""mixprec.training: convert a model for BF16/FP8 training, train it, export it for inference.
+
+Public names (imported lazily so that `import mixprec.training` does not import transformers):
+convert_for_training, ConversionReport, Policy, Rule, enable_fast_paths, true_fp32, export_for_inference,
+MixprecTrainerCallback, TrainingStep, make_grad_scaler, advance_scaling_state, fp32_compute.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "convert_for_training": "mixprec.training.convert:convert_for_training",
+    "resolve_recipe": "mixprec.training.convert:resolve_recipe",
+    "conversion_state": "mixprec.training.convert:conversion_state",
+    "ConversionReport": "mixprec.training.report:ConversionReport",
+    "ModuleEntry": "mixprec.training.report:ModuleEntry",
+    "Policy": "mixprec.training.policy:Policy",
+    "Rule": "mixprec.training.policy:Rule",
+    "enable_fast_paths": "mixprec.training.fast_paths:enable_fast_paths",
+    "FastPaths": "mixprec.training.fast_paths:FastPaths",
+    "true_fp32": "mixprec.training.fast_paths:true_fp32",
+    "export_for_inference": "mixprec.training.export:export_for_inference",
+    "MixprecTrainerCallback": "mixprec.training.callback:MixprecTrainerCallback",
+    "TrainingStep": "mixprec.training.step:TrainingStep",
+    "make_grad_scaler": "mixprec.training.step:make_grad_scaler",
+    "advance_scaling_state": "mixprec.training.step:advance_scaling_state",
+    "clip_grad_norm_": "mixprec.training.step:clip_grad_norm_",
+    "fp32_compute": "mixprec.training.bf16_cpu:fp32_compute",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'mixprec.training' has no attribute {name!r}")

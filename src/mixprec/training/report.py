@@ -1,0 +1,126 @@
+"""ConversionReport: every module of a converted model, the precision it got, and why.
+
+Printable as a rich table (``rich.print(report)`` or ``report.print()``), as plain text (``str(report)``),
+and as a dict / JSON (``report.to_dict()``, ``report.to_json()``; schema in docs/train.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ModuleEntry:
+    name: str  # fully-qualified name; "" is the root module
+    type: str  # class name before conversion
+    role: str  # linear, head, router, norm, embedding, softmax, experts, container, stateless, other
+    precision: (
+        str  # e.g. "fp8:fp8-delayed", "bf16", "fp32", "fp32 params, bf16 autocast", "skipped: ...", "-"
+    )
+    reason: str
+    converted_to: str | None = None  # class name after conversion when the module was replaced
+    num_params: int = 0
+
+
+@dataclass
+class ConversionReport:
+    recipe: str
+    kind: str  # fp8, bf16, bf16-amp, fp16-amp, fp32
+    device: str
+    param_dtype: str
+    entries: list[ModuleEntry] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    # ---- queries -------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> ModuleEntry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return any(e.name == name for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def names(self, precision_prefix: str) -> list[str]:
+        """Qualified names whose precision starts with `precision_prefix` (e.g. "fp8", "skipped")."""
+        return [e.name for e in self.entries if e.precision.startswith(precision_prefix)]
+
+    @property
+    def converted(self) -> list[str]:
+        """Modules that run FP8 GEMMs."""
+        return self.names("fp8")
+
+    @property
+    def skipped(self) -> list[str]:
+        """Modules the recipe could not take (each with its reason)."""
+        return self.names("skipped")
+
+    def summary(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for e in self.entries:
+            if e.role in ("container", "stateless"):
+                continue
+            key = e.precision.split(" (")[0]
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    # ---- output --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "recipe": self.recipe,
+            "kind": self.kind,
+            "device": self.device,
+            "param_dtype": self.param_dtype,
+            "summary": self.summary(),
+            "notes": list(self.notes),
+            "modules": [asdict(e) for e in self.entries],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def rich_table(self, *, show_all: bool = True):
+        from rich.table import Table
+
+        table = Table(title=f"mixprec conversion: {self.recipe} ({self.device}, params {self.param_dtype})")
+        for col in ("module", "type", "role", "precision", "reason"):
+            table.add_column(col, overflow="fold")
+        for e in self.entries:
+            if not show_all and e.role in ("container", "stateless"):
+                continue
+            style = (
+                "green" if e.precision.startswith("fp8") else ("red" if "skipped" in e.precision else None)
+            )
+            t = e.type if e.converted_to is None else f"{e.type} -> {e.converted_to}"
+            table.add_row(e.name or "(root)", t, e.role, e.precision, e.reason, style=style)
+        if self.notes:
+            table.caption = " | ".join(self.notes)
+        return table
+
+    def __rich__(self):
+        return self.rich_table()
+
+    def print(self, *, show_all: bool = True) -> None:
+        from rich.console import Console
+
+        Console().print(self.rich_table(show_all=show_all))
+
+    def __str__(self) -> str:
+        rows = [("module", "type", "role", "precision", "reason")]
+        for e in self.entries:
+            t = e.type if e.converted_to is None else f"{e.type}->{e.converted_to}"
+            rows.append((e.name or "(root)", t, e.role, e.precision, e.reason))
+        widths = [min(48, max(len(r[i]) for r in rows)) for i in range(4)]
+        lines = [f"mixprec conversion: {self.recipe} on {self.device}, parameters {self.param_dtype}"]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Delayed-scaling state: amax history and scales in module buffers, advanced once per optimizer step.
+
+Layout (buffers of an Fp8Linear under DelayedScaling; saved in and restored from its state_dict):
+    amax_history  fp32 [history_len, 3]  columns = roles (input, weight, grad_output); row 0 is the
+                  CURRENT step, rows 1.. the finished steps, newest first
+    fp8_scale     fp32 [3]               the dequantization scale of each role used during this step
+    scaling_step  int64 []               optimizer steps advanced so far (0: no history yet)
+
+During a step every forward records max(row 0, amax of x / W) and every backward max(row 0, amax of
+dY): the maximum over micro-batches, and idempotent, so a forward recomputed under activation
+checkpointing records nothing new and quantizes with the same scales (they change only in advance()).
+Before the first advance there is no history: the layer scales from the current amax, as current
+scaling would, and records it.
+
+advance() — call once per optimizer step (the training helpers and the Trainer callback do):
+  1. a role whose amax this step is inf or NaN (an overflowing step) is recorded as 0 in the history,
+     so it cannot poison the window, and keeps its previous scale;
+  2. amax = max over the history rows ("max") or row 0 ("most_recent");
+  3. scale = amax / (fmt.max * 2**margin); a role whose amax this step is 0, or whose amax from the
+     history is 0, keeps its previous scale;
+  4. the history rolls by one row (row 0 becomes the previous step), row 0 is zeroed.
+Under data parallelism the current rows must be all-reduced (MAX) over ranks before advance()
+(mixprec.distributed.amax_reduction does it with `amax_tensors_for_reduction()`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.formats import Format
+from mixprec.scaling import compute_scale
+
+ROLE_INDEX = {"input": 0, "weight": 1, "grad_output": 2}
+
+
+def new_buffers(history_len: int, device=None) -> dict[str, torch.Tensor]:
+    return {
+        "amax_history": torch.zeros(history_len, len(ROLE_INDEX), dtype=torch.float32, device=device),
+        "fp8_scale": torch.ones(len(ROLE_INDEX), dtype=torch.float32, device=device),
+        "scaling_step": torch.zeros((), dtype=torch.int64, device=device),
+    }
+
+
+def raw_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| including inf and NaN (so that the advance guard sees an overflowing step), fp32 [1]."""
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(-lo, hi).float().reshape(1)
+
+
+@torch.no_grad()
+def record_amax(history: torch.Tensor, role: str, amax: torch.Tensor) -> None:
+    """row 0 of the history <- max(row 0, amax) for one role (NaN propagates, the guard handles it)."""
+    slot = history[0, ROLE_INDEX[role] : ROLE_INDEX[role] + 1]
+    torch.maximum(slot, amax.reshape(1).to(slot.dtype), out=slot)
+
+
+@torch.no_grad()
+def advance_buffers(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    step: torch.Tensor,
+    formats: dict[str, Format],
+    margin: int = 0,
+    algo: str = "max",
+) -> None:
+    """One optimizer step of the delayed-scaling state, in place (see the module docstring)."""
+    current = history[0]
+    bad = ~torch.isfinite(current)
+    current.masked_fill_(bad, 0.0)
+    if algo == "max":
+        amax = history.amax(dim=0)
+    elif algo == "most_recent":
+        amax = current.clone()
+    else:
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {algo!r}")
+    new = torch.stack([compute_scale(amax[i], formats[role], margin) for role, i in ROLE_INDEX.items()])
+    keep = bad | (current <= 0) | (amax <= 0)
+    scale.copy_(torch.where(keep, scale, new.to(scale.device)))
+    history.copy_(history.roll(1, dims=0))
+    history[0].zero_()
+    step.add_(1)
+
+
+def advance(model: nn.Module, *, reduce_amax: bool = True) -> int:
+    """Advance the scaling state of every module that has one (`advance_scaling()`); returns how many.
+
+    Call exactly once per optimizer step, after backward (and after the amax all-reduce under data
+    parallelism). Modules without delayed scaling are skipped at no cost.
+    reduce_amax: under torch.distributed with more than one rank, first all_reduce(MAX) this step's amax
+    rows of all layers over the default group, in one collective (mixprec.distributed.amax_reduction);
+    a no-op in one process.
+    """
+    if reduce_amax:
+        from mixprec.distributed.amax_reduction import reduce_amax as _reduce_amax
+
+        _reduce_amax(model)
+    count = 0
+    for module in model.modules():
+        fn = getattr(module, "advance_scaling", None)
+        if callable(fn) and fn():
+            count += 1
+    return count
+
+
+__all__ = ["ROLE_INDEX", "advance", "advance_buffers", "new_buffers", "raw_amax", "record_amax"]

@@ -1,0 +1,131 @@
+"""Helpers for a plain training loop: loss scaling, clipping, the optimizer step, the scaling-state advance.
+
+    step = TrainingStep(model, optimizer, grad_accumulation_steps=4, max_grad_norm=1.0)
+    for batch in batches:
+        loss = model(**batch).loss
+        step.backward(loss)          # divides by the accumulation steps, scales for fp16, steps every 4th call
+
+The FP8 delayed-scaling state advances once per optimizer step, never per micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+
+
+def advance_scaling_state(model: nn.Module) -> None:
+    """Advance the FP8 scaling state (amax history -> next scales) of every FP8 module, once.
+
+    Call after each optimizer step (TrainingStep and MixprecTrainerCallback do). Models without FP8
+    layers: nothing happens.
+    """
+    from mixprec.training.convert import conversion_state
+
+    st = conversion_state(model)
+    if st is not None and st.kind != "fp8":
+        return  # bf16 / amp / fp32: no scaling state
+    from mixprec.training import scaling_state
+
+    scaling_state.advance(model)
+
+
+def make_grad_scaler(model_or_recipe: Any = None, device: str | None = None) -> torch.amp.GradScaler:
+    """A GradScaler with the guide's settings (init_scale 2**14, growth_interval 1000) or the recipe's.
+
+    Accepts a converted model (its recipe is used), a recipe object, a recipe name, or None (defaults).
+    For recipes other than fp16-amp the scaler is disabled (scale 1, no skipping).
+    """
+    from mixprec.training.convert import conversion_state, resolve_recipe
+
+    recipe = model_or_recipe
+    if isinstance(model_or_recipe, nn.Module):
+        st = conversion_state(model_or_recipe)
+        if st is None:
+            raise MixprecError(
+                "make_grad_scaler: the model was not converted by mixprec.convert_for_training"
+            )
+        recipe = st.recipe
+        if device is None:
+            p = next(model_or_recipe.parameters())
+            device = p.device.type
+    kind = "fp16-amp"
+    if recipe is not None:
+        kind, recipe, _ = resolve_recipe(recipe)
+    init_scale = float(getattr(recipe, "init_scale", 2.0**14))
+    growth_interval = int(getattr(recipe, "growth_interval", 1000))
+    return torch.amp.GradScaler(
+        device or "cpu", init_scale=init_scale, growth_interval=growth_interval, enabled=kind == "fp16-amp"
+    )
+
+
+def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """Clip the gradients the optimizer will use (mixprec AdamW's fp32 buffers, else the params' .grad)."""
+    from mixprec.optim import AdamW
+
+    if isinstance(optimizer, AdamW):
+        return optimizer.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+
+
+class TrainingStep:
+    """Backward with loss scaling and accumulation; optimizer step, clipping and scaling advance."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        if grad_accumulation_steps < 1:
+            raise MixprecError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
+        self.model = model
+        self.optimizer = optimizer
+        self.accum = grad_accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        from mixprec.training.convert import conversion_state
+
+        st = conversion_state(model)
+        if grad_scaler is None and st is not None and st.kind == "fp16-amp":
+            grad_scaler = make_grad_scaler(model)
+        self.scaler = grad_scaler
+        self.micro = 0
+        self.steps = 0
+
+    def backward(self, loss: torch.Tensor) -> dict[str, Any] | None:
+        """Backward of one micro-batch's loss; after every `grad_accumulation_steps` calls, step."""
+        loss = loss / self.accum
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        self.micro += 1
+        if self.micro % self.accum == 0:
+            return self.step()
+        return None
+
+    def step(self) -> dict[str, Any]:
+        """Unscale, clip, step the optimizer, zero gradients, advance the FP8 scaling state."""
+        info: dict[str, Any] = {}
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.max_grad_norm is not None:
+            info["grad_norm"] = float(clip_grad_norm_(self.model, self.optimizer, self.max_grad_norm))
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            info["skipped"] = self.scaler.get_scale() < scale
+            info["loss_scale"] = self.scaler.get_scale()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        advance_scaling_state(self.model)
+        self.steps += 1
+        return info

@@ -1,0 +1,113 @@
+"""Tiny models built from configs, a word-level tokenizer and a small corpus (no downloads).
+
+A uniquely named module (not conftest) so test files import it without clashing with other conftests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "weights",
+    "scale",
+    "format",
+    "bit",
+    "eight",
+    "float",
+    "value",
+    "range",
+    "small",
+    "large",
+    "tensor",
+    "layer",
+    "token",
+    "sum",
+    "error",
+    "loss",
+    "step",
+    "data",
+    "run",
+    "test",
+    "chip",
+    "core",
+    "memory",
+    "speed",
+    "block",
+    "row",
+    "column",
+    "grid",
+    "cast",
+    "round",
+    "max",
+    "min",
+    "mean",
+    "amax",
+    "noise",
+    "signal",
+    "train",
+    "serve",
+    "check",
+    "gate",
+    "pass",
+    "fail",
+    "report",
+    "plot",
+    "curve",
+    "line",
+]
+
+
+def make_corpus(path: Path, paragraphs: int = 60, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    paras = []
+    for _ in range(paragraphs):
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) + " ." for _ in range(4)]
+        paras.append(" ".join(sentences))
+    path.write_text("\n\n".join(paras) + "\n", encoding="utf-8")
+    return path
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", ".", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins word-level tokens with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    )
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_bert(vocab_size: int, seed: int = 0):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return BertModel(cfg).eval()
+
+
+def save(model, tokenizer, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

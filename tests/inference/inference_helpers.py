@@ -1,0 +1,47 @@
+"""Helpers for the FP8 inference tests: tiny models built from configs (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+CALIB_TEXTS = [
+    f"The quick brown fox number {i} jumps over the lazy dog and counts to {i * 7} before it sleeps."
+    for i in range(120)
+]
+VOCAB = 320
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    kw.update(overrides)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+
+
+def save_with_tokenizer(model, directory: Path, **save_kw) -> Path:
+    from mixprec.data import save_tokenizer, train_bpe_tokenizer
+
+    model.save_pretrained(directory, **save_kw)
+    save_tokenizer(train_bpe_tokenizer(CALIB_TEXTS, vocab_size=VOCAB), directory)
+    return directory
+
+
+def load_original(directory: Path):
+    return transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())

@@ -1,0 +1,49 @@
+"""`mixprec demo`: the training comparison and the inference half end to end, shrunk to seconds."""
+
+from __future__ import annotations
+
+import json
+
+from mixprec.comparison.demo import DEMO_RECIPES, demo_config, run_demo
+
+TINY_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+
+
+def test_demo_defaults_are_the_documented_comparison():
+    cfg = demo_config()
+    assert cfg.recipes == DEMO_RECIPES == ("fp32", "bf16", "fp8-current", "fp8-blockwise")
+    assert cfg.data is None and cfg.model_dir is None  # the stdlib corpus and the built-in model
+    cfg.validate()
+
+
+def test_demo_runs_both_halves_and_reports(tmp_path):
+    out = tmp_path / "demo"
+    result = run_demo(
+        out,
+        progress=False,
+        steps=4,
+        batch_size=4,
+        seq_len=32,
+        vocab_size=320,
+        max_chars=40_000,
+        val_blocks=4,
+        model_config=TINY_MODEL,
+        noise=False,
+    )
+    doc = json.loads((out / "demo.json").read_text())
+    assert doc["schema_version"] == 1
+    assert set(doc["seconds"]) == {"training", "inference", "total"}
+    html = (out / "report.html").read_text()
+    assert "mixprec demo" in html and "Verdict" in html and "FP8 inference" in html
+    assert set(result.training.recipes) == set(DEMO_RECIPES)
+    info = result.inference
+    assert info["status"] == "done", info
+    assert (out / "model-bf16" / "config.json").is_file()
+    assert (out / "inference" / "report.html").is_file()
+    assert {g["name"] for g in info["gates"]} >= {"max_ppl_increase"}

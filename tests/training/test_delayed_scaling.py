@@ -1,0 +1,174 @@
+"""Delayed scaling: amax history in buffers, advanced once per optimizer step; max vs most_recent;
+guards for amax 0 / inf; activation checkpointing reuses the step's scales; resume is bit-identical."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mixprec.formats import E4M3, E5M2
+from mixprec.training import scaling_state
+from mixprec.training.fp8_linear import Fp8Linear
+
+IN, OUT = 64, 32
+
+
+def _layer(recipe="fp8-delayed:history=4", seed=0) -> Fp8Linear:
+    torch.manual_seed(seed)
+    return Fp8Linear.from_linear(nn.Linear(IN, OUT), recipe, name="l")
+
+
+def _micro_batch(layer, amp_x=1.0, amp_dy=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, IN, generator=gen)
+    x = x / x.abs().max() * amp_x  # amax exactly amp_x
+    dy = torch.randn(16, OUT, generator=gen)
+    dy = dy / dy.abs().max() * amp_dy
+    x.requires_grad_(True)
+    layer(x).backward(dy)
+    return x
+
+
+def test_history_records_max_over_micro_batches_and_advances_once_per_step():
+    layer = _layer()
+    w_amax = layer.weight.detach().abs().max()
+    _micro_batch(layer, 2.0, 0.5, seed=1)
+    _micro_batch(layer, 3.0, 0.25, seed=2)  # gradient accumulation: a second micro-batch
+    assert layer.amax_history[0].tolist() == [3.0, w_amax.item(), 0.5]
+    assert layer.amax_history[1:].abs().sum() == 0 and layer.scaling_step.item() == 0
+    assert scaling_state.advance(nn.Sequential(layer, nn.ReLU())) == 1
+    assert layer.scaling_step.item() == 1
+    assert (
+        layer.amax_history[1].tolist() == [3.0, w_amax.item(), 0.5] and layer.amax_history[0].abs().sum() == 0
+    )
+    want = torch.tensor([3.0 / E4M3.max, w_amax.item() / E4M3.max, 0.5 / E5M2.max])
+    assert torch.equal(layer.fp8_scale, want)
+    # during the next step the layer quantizes with these scales, not this step's amax
+    seen = {}
+    layer.set_precision_observer(lambda n, role, t, scale, fmt: seen.__setitem__(role, scale.item()))
+    _micro_batch(layer, 100.0, 100.0, seed=3)
+    assert seen == {"input": want[0].item(), "weight": want[1].item(), "grad_output": want[2].item()}
+
+
+def test_first_step_scales_from_the_current_amax():
+    layer = _layer()
+    seen = {}
+    layer.set_precision_observer(lambda n, role, t, scale, fmt: seen.__setitem__(role, scale.item()))
+    _micro_batch(layer, 7.0, 0.125)
+    assert seen["input"] == pytest.approx(7.0 / E4M3.max, rel=1e-7)
+    assert seen["grad_output"] == pytest.approx(0.125 / E5M2.max, rel=1e-7)
+
+
+def _drive(recipe, amaxes):
+    layer = _layer(recipe)
+    for i, a in enumerate(amaxes):
+        _micro_batch(layer, a, 1.0, seed=i)
+        layer.advance_scaling()
+    return layer
+
+
+def test_max_and_most_recent_differ_as_defined():
+    amaxes = [8.0, 1.0, 2.0]
+    by_max = _drive("fp8-delayed:history=4,algo=max", amaxes)
+    recent = _drive("fp8-delayed:history=4,algo=most_recent", amaxes)
+    assert by_max.fp8_scale[0].item() == pytest.approx(8.0 / 448, rel=1e-7)
+    assert recent.fp8_scale[0].item() == pytest.approx(2.0 / 448, rel=1e-7)
+    # a window of 2 forgets the 8.0 after two more steps
+    short = _drive("fp8-delayed:history=2,algo=max", amaxes)
+    assert short.fp8_scale[0].item() == pytest.approx(2.0 / 448, rel=1e-7)
+    margin = _drive("fp8-delayed:history=4,margin=2", amaxes)
+    assert margin.fp8_scale[0].item() == pytest.approx(8.0 / (448 * 4), rel=1e-7)
+
+
+@pytest.mark.parametrize("bad", [0.0, math.inf, math.nan])
+def test_a_step_with_amax_zero_or_inf_keeps_the_previous_scale(bad):
+    layer = _drive("fp8-delayed:history=4,algo=most_recent", [4.0])
+    before = layer.fp8_scale.clone()
+    x = torch.zeros(16, IN) if bad == 0.0 else torch.randn(16, IN)
+    if bad != 0.0:
+        x[0, 0] = bad
+    layer(x).sum().backward()
+    layer.advance_scaling()
+    assert layer.fp8_scale[0] == before[0]  # input kept
+    assert torch.isfinite(layer.amax_history).all()  # the bad step does not poison the window
+    _micro_batch(layer, 2.0, 1.0)  # a good step afterwards updates again
+    layer.advance_scaling()
+    assert layer.fp8_scale[0].item() == pytest.approx(2.0 / 448, rel=1e-7)
+
+
+def test_activation_checkpointing_reuses_the_steps_scales():
+    plain, ckpt = _layer(seed=3), _layer(seed=3)
+    for layer in (plain, ckpt):
+        _micro_batch(layer, 5.0, 1.0, seed=9)
+        layer.advance_scaling()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, IN, generator=gen) * 9
+    outs = []
+    for layer, use_ckpt in ((plain, False), (ckpt, True)):
+        xi = x.clone().requires_grad_(True)
+        h = checkpoint(layer, xi, use_reentrant=False) if use_ckpt else layer(xi)
+        h.square().sum().backward()
+        outs.append((h.detach(), xi.grad, layer.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(plain.amax_history, ckpt.amax_history)  # the recomputed forward records nothing new
+    assert torch.equal(plain.fp8_scale, ckpt.fp8_scale)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN, IN), nn.GELU(), nn.Linear(IN, OUT))
+    model[0] = Fp8Linear.from_linear(model[0], "fp8-delayed:history=3")
+    model[2] = Fp8Linear.from_linear(model[2], "fp8-delayed:history=3")
+    return model
+
+
+def _train(model, opt, steps, start):
+    for s in range(start, start + steps):
+        gen = torch.Generator().manual_seed(s)
+        for _ in range(2):  # two micro-batches per optimizer step
+            x = torch.randn(8, IN, generator=gen) * (1 + s)
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        scaling_state.advance(model)
+
+
+def test_save_and_load_mid_run_continues_bit_identically():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3, 0)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))  # as torch.save would freeze them
+    _train(model, opt, 3, 3)
+
+    resumed = _model(seed=1)  # different init: everything must come from the checkpoint
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    assert resumed[0].scaling_step.item() == 3
+    _train(resumed, opt2, 3, 3)
+    for (k, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_amax_rows_for_data_parallel_reduction():
+    layer = _layer()
+    (row,) = layer.amax_tensors_for_reduction()
+    assert row.data_ptr() == layer.amax_history.data_ptr() and row.shape == (3,)
+    row.copy_(torch.tensor([1.0, 2.0, 4.0]))  # what an all_reduce(MAX) writes back
+    layer.advance_scaling()
+    assert layer.fp8_scale.tolist() == pytest.approx([1 / 448, 2 / 448, 4 / 57344])
+    assert _layer("fp8-current").amax_tensors_for_reduction() == []
+    assert _layer("fp8-current").advance_scaling() is False
+
+
+def test_forwards_without_grad_leave_the_history_alone():
+    layer = _layer()
+    with torch.no_grad():  # evaluation during training
+        y = layer(torch.randn(16, IN) * 50)
+    assert y.shape == (16, OUT) and layer.amax_history.abs().sum() == 0
