@@ -103,8 +103,10 @@ def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool)
     quantize_checkpoint(model_dir, fp8_dir, scheme="fp8-dynamic", force=True, progress=progress)
     eval_dir.mkdir(exist_ok=True)
     native = bool(detect().fp8_native)
-    # quality and memory gated everywhere; speed only where FP8 runs natively (emulated FP8 is slower)
-    gates = Gates(max_ppl_increase=0.01, min_memory_saving=0.3, min_speedup=1.3 if native else None)
+    # quality and memory gated everywhere; speed only where FP8 runs natively (emulated FP8 is slower).
+    # The demo model's Linear weights are ~60% of its bf16 bytes (embeddings, norms and the head stay
+    # bf16), so FP8 Linears save ~30% of the weight memory: the gate leaves room below that.
+    gates = Gates(max_ppl_increase=0.01, min_memory_saving=0.25, min_speedup=1.3 if native else None)
     result = evaluate(
         reference=model_dir, candidate=fp8_dir, data=_heldout_file(eval_dir, config), task="lm",
         samples=64, seq_len=config.seq_len, gates=gates, progress=progress,
