@@ -256,11 +256,9 @@ class UnscaledFp8(Fp8Recipe):
 # Non-FP8 recipes: defined here, applied by mixprec.training (convert / policy / optim).
 
 
-@dataclass(frozen=True)
-class Fp32Recipe:
-    """True fp32 training: the baseline (no TF32, no autocast)."""
+class _HighPrecisionRecipe:
+    """What every non-FP8 recipe shares: not FP8, and a spec() that from_name() reads back."""
 
-    name: ClassVar[str] = "fp32"
     is_fp8: ClassVar[bool] = False
 
     def spec(self) -> str:
@@ -268,35 +266,34 @@ class Fp32Recipe:
 
 
 @dataclass(frozen=True)
-class Bf16Recipe:
+class Fp32Recipe(_HighPrecisionRecipe):
+    """True fp32 training: the baseline (no TF32, no autocast)."""
+
+    name: ClassVar[str] = "fp32"
+
+
+@dataclass(frozen=True)
+class Bf16Recipe(_HighPrecisionRecipe):
     """bf16 parameters and compute, fp32 master weights and fp32 gradient accumulation, bf16 Adam moments."""
 
     master_weights: bool = True
     moments_dtype: str = "bf16"
     name: ClassVar[str] = "bf16"
-    is_fp8: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.moments_dtype not in ("bf16", "fp32"):
             raise MixprecError(f"moments_dtype must be 'bf16' or 'fp32', got {self.moments_dtype!r}")
 
-    def spec(self) -> str:
-        return _spec(self)
-
 
 @dataclass(frozen=True)
-class Bf16AmpRecipe:
+class Bf16AmpRecipe(_HighPrecisionRecipe):
     """torch.autocast(dtype=bfloat16) around the forward; fp32 parameters and optimizer."""
 
     name: ClassVar[str] = "bf16-amp"
-    is_fp8: ClassVar[bool] = False
-
-    def spec(self) -> str:
-        return _spec(self)
 
 
 @dataclass(frozen=True)
-class Fp16AmpRecipe:
+class Fp16AmpRecipe(_HighPrecisionRecipe):
     """torch.autocast(dtype=float16) with dynamic loss scaling (GradScaler); fp32 parameters."""
 
     init_scale: float = 2.0**14
@@ -304,16 +301,12 @@ class Fp16AmpRecipe:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     name: ClassVar[str] = "fp16-amp"
-    is_fp8: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not (self.init_scale > 0):
             raise MixprecError(f"init_scale must be positive, got {self.init_scale!r}")
         if not isinstance(self.growth_interval, int) or self.growth_interval < 1:
             raise MixprecError(f"growth_interval must be a positive integer, got {self.growth_interval!r}")
-
-    def spec(self) -> str:
-        return _spec(self)
 
 
 Recipe = (

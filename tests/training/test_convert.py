@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import IDS, tiny_llama, tiny_mixtral
 from torch import nn
 
 import mixprec
@@ -14,38 +15,6 @@ from mixprec.training import Policy, Rule, convert_for_training
 from mixprec.training.convert import conversion_state
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(tie=False, layers=2):
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def tiny_mixtral():
-    cfg = transformers.MixtralConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(cfg)
-
-
-IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 def _step(model):

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import IDS, tiny_llama
 from torch import nn
 
 import mixprec
@@ -14,23 +15,6 @@ from mixprec.errors import MixprecError
 from mixprec.optim import AdamW
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(tie=False):
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 def _train(model, steps=2):

@@ -4,58 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_llama, tiny_mixtral, tiny_qwen_moe
 from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.training.policy import Policy, Rule, decide, find_heads, find_routers, is_norm
-
-transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(tie: bool = False):
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def tiny_mixtral():
-    cfg = transformers.MixtralConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(cfg)
-
-
-def tiny_qwen_moe():
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2MoeForCausalLM(cfg)
 
 
 def by_name(model, policy=None):
