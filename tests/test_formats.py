@@ -102,6 +102,23 @@ def test_all_256_fp8_codes_round_trip(fmt):
     assert ref.bits_equal(cast_to_format(values[finite], fmt), values[finite])
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_fast_cpu_decode_is_exact_and_keeps_nan(fmt):
+    # decode() takes integer bit tricks on the CPU (torch's float8 cast is scalar code there); payloads
+    # holding an E4M3 NaN code take torch's cast. Both must give the reference bits, NaN kept as NaN.
+    want = _f32([ref.code_value(fmt, c) for c in range(256)])
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = ~torch.isnan(want)
+    tiled = codes[finite].repeat(40).view(-1, 8)  # every non-NaN code, no NaN: the integer path
+    got = decode(tiled.view(fmt.torch_dtype), fmt)
+    assert ref.bits_equal(got, want[finite].repeat(40).view(-1, 8))
+    assert ref.bits_equal(decode(tiled.t().view(fmt.torch_dtype), fmt), got.t())  # a transposed view
+    with_nan = codes.repeat(4)  # NaN codes among the others
+    got = decode(with_nan.view(fmt.torch_dtype), fmt)
+    assert torch.equal(torch.isnan(got), torch.isnan(want.repeat(4)))
+    assert ref.bits_equal(got[finite.repeat(4)], want.repeat(4)[finite.repeat(4)])
+
+
 @pytest.mark.parametrize("fmt", SUB_BYTE, ids=lambda f: f.name)
 def test_sub_byte_codes_round_trip(fmt):
     codes = torch.arange(2**fmt.bits, dtype=torch.int32).to(torch.uint8)

@@ -436,4 +436,31 @@ def decode(payload: torch.Tensor, fmt: str | Format) -> torch.Tensor:
         return codes_to_values(payload, fmt)
     if payload.dtype == torch.uint8 and fmt.torch_dtype is not None:
         payload = payload.view(fmt.torch_dtype)
+    if payload.device.type == "cpu" and fmt.name in ("e4m3", "e5m2") and not torch.compiler.is_compiling():
+        return _decode_fp8_cpu(payload, fmt)
     return payload.float()
+
+
+_E4M3_NAN_MAGNITUDE = 0x7F  # S.1111.111: the only NaN codes of E4M3 ("fn": no infinities)
+
+
+def _decode_fp8_cpu(payload: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Exact float32 values of an E4M3 / E5M2 payload through fp16 bit patterns (vectorized integer ops).
+
+    torch's float8 -> float32 cast is scalar code on the CPU (about 3 ns per element with 2 threads
+    here, as much as an fp32 GEMM's share of the work for K ~ 1000); these are about 7x faster.
+    E5M2 is the top byte of an fp16 (same bias, infinities and NaN included): shift left by 8.
+    E4M3 s.eeee.mmm shifted left by 7 as a sign-extended int16, with bit 14 (a copy of the sign)
+    cleared, is the fp16 s.0eeee.mmm0000000: the E4M3 value times 2^-8 (bias 15 instead of 7,
+    subnormals included), so one exact multiplication by 2^8 follows the fp16 -> fp32 conversion.
+    Its NaN codes would come out as +-480 (not an E4M3 value): a payload holding one, which only a
+    NaN input makes, is found by one byte reduction and decoded by torch's cast instead.
+    """
+    codes = payload.view(torch.int8)
+    if fmt.name == "e4m3" and codes.numel() and int(codes.bitwise_and(_E4M3_NAN_MAGNITUDE).amax()) == 0x7F:
+        return payload.float()
+    bits = codes.to(torch.int16)
+    if fmt.name == "e5m2":
+        return bits.bitwise_left_shift_(8).view(torch.float16).float()
+    bits.bitwise_left_shift_(7).bitwise_and_(-16385)  # -16385 is 0xBFFF as an int16: clears bit 14
+    return bits.view(torch.float16).float().mul_(256.0)

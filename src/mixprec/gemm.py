@@ -78,8 +78,7 @@ def quantize_operand(
 ) -> QuantizedTensor:
     """scaling.quantize with fewer memory passes, for torch FP8 dtypes (other formats: delegated).
 
-    bf16/fp16 inputs are not copied to fp32 first: the division by an fp32 scale tensor promotes
-    exactly. A given `scale` must already be on the grid (callers on the hot path computed it), it
+    bf16/fp16 inputs get one fp32 working copy (exact), divided and clamped in place. A given `scale` must already be on the grid (callers on the hot path computed it), it
     is not validated. The payload is scaling.encode_cast(x / scale): the foundation's saturating cast.
     """
     fmt = get_format(fmt)
@@ -97,8 +96,14 @@ def quantize_operand(
         scale = scale_for(block_amax(x2, g), fmt, g, margin, power_of_two)
     else:
         scale = scale.reshape(g.scale_shape(*x2.shape)).float()
-    scaled = apply_blockwise(x2, scale, g, torch.div)  # fp32: bf16 / fp32 scale promotes exactly
-    return QuantizedTensor(encode_cast(scaled, fmt), scale, fmt, g, x.shape)
+    if x2.dtype == torch.float32:
+        scaled = apply_blockwise(x2, scale, g, torch.div)
+    else:
+        # bf16 / fp16: converted to fp32 first (exact), then divided in place. torch's mixed-dtype
+        # kernel (bf16 tensor / fp32 scale -> fp32) is scalar code on the CPU, ~20x slower than both.
+        scaled = x2.float()
+        apply_blockwise(scaled, scale, g, torch.div, out=scaled)
+    return QuantizedTensor(encode_cast(scaled, fmt, clamp_in_place=True), scale, fmt, g, x.shape)
 
 
 def transpose_quantized(q: QuantizedTensor) -> QuantizedTensor:
@@ -265,11 +270,14 @@ def _emulated(
     else:
         out.mul_(sa)
         last = sb
-    # the last scale, the bias and the cast to out_dtype in one pass (fp32 arithmetic, one final rounding)
-    result = out if out_dtype == torch.float32 else torch.empty(out.shape, dtype=out_dtype, device=out.device)
+    # the last scale and the bias in fp32, in place, then one rounding to out_dtype. (One fused
+    # torch.mul(..., out=<bf16 tensor>) would save a pass, but mixed-dtype kernels are scalar code on
+    # the CPU: ~5x slower than these two vectorized passes.)
     if bias is None:
-        return torch.mul(out, last, out=result)
-    return torch.addcmul(bias.float(), out, last, out=result)
+        out.mul_(last)
+    else:
+        torch.addcmul(bias.float(), out, last, out=out)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ This optimizer keeps, per low-precision parameter:
 - an fp32 **master copy** of the parameter (the parameter is its rounding, refreshed after each step);
 - the **moments** ``exp_avg`` / ``exp_avg_sq`` in ``moment_dtype`` (bf16 by default for bf16 params), updated in fp32
   and stored with stochastic rounding (with round-to-nearest a bf16 ``exp_avg_sq`` cannot decay by
-  0.1 % a step: ``0.999 * v`` rounds back to ``v``). The rounding noise comes from the optimizer's own
-  generator, saved in ``state_dict`` so that a resumed run continues identically.
+  0.1 % a step: ``0.999 * v`` rounds back to ``v``). The rounding noise is counter-based
+  (mixprec.stochastic_rounding: a hash of each element's index and a per-step key, one key per
+  parameter for both moments); its counter is saved in ``state_dict`` so that a resumed run continues
+  identically.
 
 For fp32 parameters nothing is duplicated: the parameter is the master, gradients are fp32 already and
 the moments default to fp32: the update is the same arithmetic, in the same order, as
@@ -24,8 +26,7 @@ once per parameter from Python. Parameters with an fp32 master are taken in pack
 widened into reused flat fp32 scratch buffers (sized to the largest parameter, at least 2**20
 elements; kept up to 2**24 elements — 4 buffers of 64 MiB — larger ones are allocated per step);
 the stochastic rounding adds the noise into the scratch's bits and copies the high halves out (see
-:func:`_stochastic_round_into`). What remains costly on CPU is the noise itself: torch's CPU
-generator draws one 32-bit number per element, serially.
+mixprec.stochastic_rounding.stochastic_round_pair_into).
 
 Bytes per parameter (gradients included), see :func:`bytes_per_parameter`:
 fp32 AdamW 4+4+4+4 = 16 B; bf16 param + fp32 grad buffer + fp32 master + bf16 moments 2+4+4+2+2 = 14 B.
@@ -34,13 +35,14 @@ fp32 AdamW 4+4+4+4 = 16 B; bf16 param + fp32 grad buffer + fp32 master + bf16 mo
 from __future__ import annotations
 
 import math
-import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.stochastic_rounding import CHUNK, NoiseStream, stochastic_round, stochastic_round_pair_into
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -121,23 +123,6 @@ def memory_table() -> list[dict[str, Any]]:
     return rows
 
 
-def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """fp32 -> bf16 rounding up or down with probability proportional to the distance (unbiased).
-
-    Adds uniform noise below the 16 bits bf16 drops, on the sign-magnitude bit pattern, then truncates.
-    Other dtypes (fp16, fp32) use round-to-nearest. (Reference form; the optimizer's step uses
-    :func:`_stochastic_round_into`, which draws the same noise and gives the same bits.)
-    """
-    if dtype != torch.bfloat16:
-        return x.to(dtype)
-    bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, generator=gen, device=x.device, dtype=torch.int32)
-    rounded = ((bits + noise) & -65536).view(torch.float32)
-    # values whose rounding would carry into the exponent of inf/NaN keep round-to-nearest
-    rounded = torch.where(torch.isfinite(rounded), rounded, x)
-    return rounded.to(torch.bfloat16)
-
-
 # step() scratch: packs of parameters share flat fp32 buffers of at least _SCRATCH_MIN elements; buffers
 # up to _SCRATCH_KEEP elements (64 MiB each in fp32) are kept across steps, larger ones are transient.
 _SCRATCH_MIN = 1 << 20
@@ -146,37 +131,6 @@ _SCRATCH_KEEP = 1 << 24
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
-
-
-def _stochastic_round_into(
-    x: torch.Tensor, out: torch.Tensor, noise: torch.Tensor, gen: torch.Generator
-) -> None:
-    """``out.copy_(_stochastic_round(x, bf16, gen))`` in three passes, without allocations.
-
-    x: contiguous fp32 scratch (DESTROYED: the noise is added into its bits); out: the bf16 destination;
-    noise: int32 scratch of x's numel. Same generator draws (``random_(0, 2**16)`` is what
-    ``torch.randint`` does) and same result bits as :func:`_stochastic_round` — the FSDP2 adapter
-    (mixprec.distributed.fsdp) relies on that noise stream to round shards like whole tensors.
-    """
-    lo, hi = torch.aminmax(x)  # NaN propagates: then the comparisons below are False
-    if not (bool(hi < _BF16_SAFE) and bool(lo > -_BF16_SAFE)):
-        # rare: a carry could reach the exponent of inf/NaN (|x| within one bf16 step of the fp32
-        # maximum, or inf/NaN present): the reference keeps round-to-nearest there; same draws.
-        out.copy_(_stochastic_round(x, torch.bfloat16, gen).view(out.shape))
-        return
-    bits = x.view(torch.int32)
-    noise.random_(0, 1 << 16, generator=gen)
-    bits.add_(noise.view(bits.shape))
-    # truncation = the high 16 bits of each word, which is a bf16 bit pattern: one strided copy
-    if _LITTLE_ENDIAN and out.is_contiguous():
-        out.view(torch.int16).view(-1).copy_(bits.view(torch.int16).view(-1)[1::2])
-    else:
-        out.copy_((bits & -65536).view(torch.float32).view(out.shape))
-
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
-# |x| below the largest finite bf16 (bit pattern 0x7F7F0000): adding < 2**16 to the bits stays finite
-_BF16_SAFE = float(torch.finfo(torch.bfloat16).max)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -224,7 +178,7 @@ class AdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self._seed = seed
-        self._gens: dict[str, torch.Generator] = {}  # one per device, created on first use
+        self._noise = NoiseStream(seed)  # stochastic-rounding noise: counter-based, one draw per parameter
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}  # fp32 buffers, kept across steps
         self._active: set[torch.Tensor] = set()  # params whose buffer holds this step's gradient
         self._scratch: dict[tuple, torch.Tensor] = {}  # reused fp32/int32 work space of step()
@@ -482,19 +436,28 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_add_(dens, eps)
         torch._foreach_addcdiv_(masters, ms, dens, [-step_size for step_size, _ in hyper])
         for p, master, m, m_st, v, v_st in stores:
-            for x, x_st in ((m, m_st), (v, v_st)):
-                if x is not x_st:
-                    self._store(x, x_st)
+            self._store_moments((m, v), (m_st, v_st))
             if master is not p:
                 p.copy_(master)  # round-to-nearest into the parameter's dtype
 
-    def _store(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Round the fp32 scratch x (destroyed) into the stored moment `out`."""
-        if self.stochastic_rounding and out.dtype == torch.bfloat16 and x.dtype == torch.float32:
-            noise = self._work("noise", x.numel(), torch.int32, x.device)
-            _stochastic_round_into(x, out, noise, self._generator(x.device))
-        else:
-            out.copy_(x)
+    def _store_moments(self, xs: tuple, outs: tuple) -> None:
+        """Round the fp32 scratch moments xs (destroyed) into the stored moments `outs`: one noise
+        draw for both (lanes 0 and 1), as _step_one_generic does."""
+        if self.stochastic_rounding and all(o.dtype == torch.bfloat16 for o in outs):
+            key = self._noise.next_key()
+            if all(x.dtype == torch.float32 and x is not o and x.is_contiguous() for x, o in zip(xs, outs)):
+                n = min(xs[0].numel(), CHUNK)
+                noise = self._work("noise", n, torch.int32, xs[0].device)
+                tmp = self._work("noise_tmp", n, torch.int32, xs[0].device)
+                stochastic_round_pair_into(xs, outs, key, noise, tmp)
+                return
+            for lane, (x, out) in enumerate(zip(xs, outs)):
+                if x is not out:
+                    out.copy_(self._round(x, out.dtype, key, lane))
+            return
+        for x, out in zip(xs, outs):
+            if x is not out:
+                out.copy_(x)
 
     def _step_one_generic(self, group: dict, p: torch.Tensor, g: torch.Tensor, state: dict) -> None:
         """One parameter, plain tensor ops (DTensor shards: rounding goes through self._round, which
@@ -513,30 +476,21 @@ class AdamW(torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (v.sqrt() / bc2_sqrt).add_(eps)
         master.addcdiv_(m, denom, value=-step_size)
+        # one noise draw per parameter, as in _store_moments: lane 0 for exp_avg, lane 1 for exp_avg_sq
+        sr = self.stochastic_rounding and m_stored.dtype == v_stored.dtype == torch.bfloat16
+        key = self._noise.next_key() if sr else None
         if m is not m_stored:
-            m_stored.copy_(self._round(m, m_stored.dtype))
+            m_stored.copy_(self._round(m, m_stored.dtype, key, 0))
         if v is not v_stored:
-            v_stored.copy_(self._round(v, v_stored.dtype))
+            v_stored.copy_(self._round(v, v_stored.dtype, key, 1))
         if master is not p:
             p.copy_(master)
 
-    @property
-    def _gen(self) -> torch.Generator:
-        """The CPU stochastic-rounding generator (kept for callers written against the first version;
-        use ``_generator(device)`` for the generator of the device the noise is drawn on)."""
-        return self._generator(torch.device("cpu"))
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        gen = self._gens.get(key)
-        if gen is None:
-            gen = self._gens[key] = torch.Generator(device=device)
-            gen.manual_seed(self._seed)
-        return gen
-
-    def _round(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.stochastic_rounding:
-            return _stochastic_round(x, dtype, self._generator(x.device))
+    def _round(self, x: torch.Tensor, dtype: torch.dtype, key: int | None, lane: int) -> torch.Tensor:
+        """x in `dtype`: stochastic rounding with the noise of (key, lane) when key is given (bf16),
+        else round-to-nearest. mixprec.distributed.fsdp adapts it for DTensor shards."""
+        if key is not None and dtype == torch.bfloat16:
+            return stochastic_round(x, key, lane)
         return x.to(dtype)
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -567,7 +521,7 @@ class AdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["mixprec"] = {
-            "rng_states": {dev: g.get_state() for dev, g in self._gens.items()},
+            "noise": self._noise.state(),
             "master_dtype": str(self.master_dtype),
             "moment_dtype": str(self.moment_dtype) if self.moment_dtype is not None else "auto",
         }
@@ -588,6 +542,12 @@ class AdamW(torch.optim.Optimizer):
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, dtype=value.dtype, copy=True)
-        if extra is not None:
-            for dev, st in extra.get("rng_states", {}).items():
-                self._generator(torch.device(dev)).set_state(st)
+        if extra is not None and "noise" in extra:
+            self._noise.load(extra["noise"])
+        elif extra is not None and "rng_states" in extra:
+            warnings.warn(
+                "AdamW.load_state_dict: this checkpoint is from a mixprec version whose stochastic rounding "
+                "drew its noise from a torch.Generator; the counter-based noise restarts from its seed, so "
+                "the moments' rounding after resuming differs from the original run",
+                stacklevel=2,
+            )

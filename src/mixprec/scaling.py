@@ -262,20 +262,26 @@ def _check_scale(scale: torch.Tensor, grid: tuple[int, int], g: Granularity) -> 
     return scale.float()
 
 
-def apply_blockwise(x2: torch.Tensor, scale: torch.Tensor, g: Granularity, op) -> torch.Tensor:
-    """op(x, scale) with each block's scale broadcast over its elements; returns a new [R, C] tensor."""
+def apply_blockwise(
+    x2: torch.Tensor, scale: torch.Tensor, g: Granularity, op, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """op(x, scale) with each block's scale broadcast over its elements; returns a new [R, C] tensor,
+    or writes into `out` (torch.div / torch.mul only; out may be x2 itself: in place)."""
     rows, cols = x2.shape
     if (
         g.block_rows in (None, 1)
         and g.block_cols in (None, 1)
         and scale.shape in ((1, 1), (rows, 1), (1, cols))
     ):
-        return op(x2, scale)
+        return op(x2, scale) if out is None else op(x2, scale, out=out)
     br, bc = g.block_shape(rows, cols)
     if op not in (torch.div, torch.mul):  # any other op: on a zero-padded copy
+        if out is not None:
+            raise ValueError("apply_blockwise: out= is supported for torch.div and torch.mul only")
         out = op(_blocked(x2, br, bc), scale[:, None, :, None])
         return out.reshape(out.shape[0] * br, out.shape[2] * bc)[:rows, :cols]
-    out = torch.empty((rows, cols), dtype=torch.promote_types(x2.dtype, scale.dtype), device=x2.device)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.promote_types(x2.dtype, scale.dtype), device=x2.device)
     for r0, r1, h, c0, c1, w in _regions(rows, cols, br, bc):
         i, j = r0 // br, c0 // bc
         s = scale[i : i + (r1 - r0) // h, j : j + (c1 - c0) // w]
@@ -356,11 +362,17 @@ def _encode_scaled_inplace(scaled: torch.Tensor, fmt: Format) -> torch.Tensor:
     return encode(scaled, fmt)  # rounds (saturating) and encodes in one pass over the codes
 
 
-def encode_cast(scaled: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Saturating cast of already-scaled fp32 values straight to the payload dtype (input untouched)."""
+def encode_cast(scaled: torch.Tensor, fmt: Format, *, clamp_in_place: bool = False) -> torch.Tensor:
+    """Saturating cast of already-scaled fp32 values straight to the payload dtype (input untouched,
+    unless clamp_in_place: then a caller's scratch tensor is clamped in place, saving a copy)."""
     if fmt.torch_dtype is not None:
         native_sat = scaled.device.type == "cpu" and _formats._torch_cast_saturates(fmt.torch_dtype)
-        inside = scaled if native_sat else scaled.clamp(-fmt.max, fmt.max)
+        if native_sat:
+            inside = scaled
+        elif clamp_in_place:
+            inside = scaled.clamp_(-fmt.max, fmt.max)
+        else:
+            inside = scaled.clamp(-fmt.max, fmt.max)
         return inside.to(fmt.torch_dtype)
     return encode(scaled, fmt)
 

@@ -7,7 +7,15 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.optim import AdamW, _stochastic_round, bytes_per_parameter, memory_table
+from mixprec.optim import AdamW, bytes_per_parameter, memory_table
+from mixprec.stochastic_rounding import (
+    NoiseStream,
+    flat_indices,
+    hash32,
+    noise16_,
+    stochastic_round,
+    stochastic_round_pair_into,
+)
 
 
 def _model(dtype=torch.float32, seed=0):
@@ -172,16 +180,40 @@ def test_for_model_follows_the_recipe():
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_representable_values():
-    g = torch.Generator().manual_seed(0)
+    stream = NoiseStream(0)
     x = torch.full((20000,), 1.0 + 2**-9)  # a quarter of the way from 1 to the next bf16 (1 + 2**-7)
-    r = _stochastic_round(x, torch.bfloat16, g).float()
-    assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
-    assert abs(r.mean().item() - (1.0 + 2**-9)) < 2e-4
-    neg = _stochastic_round(-x, torch.bfloat16, g).float()
-    assert abs(neg.mean().item() + (1.0 + 2**-9)) < 2e-4
+    for lane in (0, 1):
+        r = stochastic_round(x, stream.next_key(), lane).float()
+        assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
+        assert abs(r.mean().item() - (1.0 + 2**-9)) < 2e-4
+        neg = stochastic_round(-x, stream.next_key(), lane).float()
+        assert abs(neg.mean().item() + (1.0 + 2**-9)) < 2e-4
     exact = torch.tensor([0.0, -2.5, 3.0, 1e-30]).bfloat16().float()
-    assert torch.equal(_stochastic_round(exact, torch.bfloat16, g).float(), exact)
+    assert torch.equal(stochastic_round(exact, stream.next_key()).float(), exact)
 
+
+def test_noise_is_the_reference_hash_and_uniform():
+    # the int32 tensor hash (wrapping multiplications, logical shifts from arithmetic ones) against
+    # lowbias32 on Python integers, for both halves, at indices spread over the int32 range
+    idx = torch.cat([torch.arange(0, 5000), torch.tensor([2**31 - 1, 2**30 + 7, 123456789])]).to(torch.int32)
+    key = hash32(17)
+    for lane in (0, 1):
+        got = noise16_(idx.clone(), key, lane)
+        want = [(hash32((int(i) * 0x9E3779B1 + key) & 0xFFFFFFFF) >> (16 * lane)) & 0xFFFF for i in idx]
+        assert got.tolist() == want
+    n = noise16_(torch.arange(1 << 18, dtype=torch.int32), key, 0).float() / 2**16
+    assert abs(n.mean().item() - 0.5) < 2e-3 and abs(n.std().item() - (1 / 12) ** 0.5) < 2e-3
+    counts = torch.bincount(noise16_(torch.arange(1 << 18, dtype=torch.int32), key, 1) >> 8, minlength=256)
+    assert counts.min() > 0.8 * counts.float().mean()  # every high byte occurs about equally often
+
+
+def test_a_slice_rounds_with_its_part_of_the_whole_tensors_noise():
+    x = torch.randn(64, 48)
+    key = NoiseStream(3).next_key()
+    whole = stochastic_round(x, key, 1)
+    sl = (slice(16, 40), slice(8, 30))
+    part = stochastic_round(x[sl], key, 1, index=flat_indices((64, 48), sl))
+    assert torch.equal(part.view(torch.int16), whole[sl].view(torch.int16))
 
 def test_fp32_matches_torch_foreach_adamw_exactly_with_uneven_steps():
     # several parameters, one of which misses a gradient in some steps (its own step count)
@@ -199,18 +231,36 @@ def test_fp32_matches_torch_foreach_adamw_exactly_with_uneven_steps():
         assert torch.equal(pa, pb)
 
 
-def test_stochastic_round_into_gives_the_reference_bits():
-    from mixprec.optim import _stochastic_round_into
-
+def test_stochastic_round_pair_into_gives_the_reference_bits(monkeypatch):
+    monkeypatch.setattr("mixprec.stochastic_rounding.CHUNK", 700)  # several chunks, a ragged last one
     x = torch.randn(3, 1000) * torch.logspace(-30, 30, 1000)
+    y = torch.randn(3, 1000)
     x[0, :4] = torch.tensor([float("inf"), float("nan"), 3.3e38, 0.0])  # rare path: RNE there
-    for rows in (x[1:], x):  # the fast path, then the guarded one
-        g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-        ref = _stochastic_round(rows, torch.bfloat16, g1)
-        out = torch.empty_like(rows, dtype=torch.bfloat16)
-        _stochastic_round_into(rows.clone(), out, torch.empty(rows.numel(), dtype=torch.int32), g2)
-        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
-        assert torch.equal(g1.get_state(), g2.get_state())  # same draws
+    for a, b in ((x[1:], y[1:]), (x, y)):  # the fast path, then the guarded one
+        key = hash32(5)
+        outs = (torch.empty_like(a, dtype=torch.bfloat16), torch.empty_like(b, dtype=torch.bfloat16))
+        scratch = torch.empty(a.numel(), dtype=torch.int32), torch.empty(a.numel(), dtype=torch.int32)
+        stochastic_round_pair_into((a.clone(), b.clone()), outs, key, *scratch)
+        for lane, (src, out) in enumerate(zip((a, b), outs)):
+            assert torch.equal(out.view(torch.int16), stochastic_round(src, key, lane).view(torch.int16))
+
+
+def test_noise_counter_round_trips_through_the_state_dict():
+    m, opt = _bf16_run(0, steps=2)
+    state = opt.state_dict()
+    assert state["mixprec"]["noise"]["counter"] == 2 * len(list(m.parameters()))
+    m2 = _model(torch.bfloat16)
+    with torch.no_grad():
+        for a, b in zip(m2.parameters(), m.parameters()):
+            a.copy_(b)
+    opt2 = AdamW(m2.parameters(), lr=1e-2, seed=0)
+    opt2.load_state_dict(state)
+    for model, o in ((m, opt), (m2, opt2)):
+        _loss(model, 2).backward()
+        o.step()
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg_sq"], opt2.state[b]["exp_avg_sq"])
 
 
 def _bf16_run(seed, steps=3, **kw):

@@ -13,9 +13,9 @@ What FSDP2 means for FP8:
 - mixprec.optim.AdamW on DTensor shards: its state (fp32 master, bf16 moments, fp32 gradient buffers)
   follows the parameters and is sharded the same way; FSDP2 runs post-accumulate-grad hooks on the
   sharded parameter after the reduce-scatter, so the fp32 gradient buffers hold reduced gradients.
-  One thing needs help: stochastic rounding of the moments draws noise for the tensor's shape, and a
-  DTensor's shape is the global one — adapt_optimizer() rounds each shard with its slice of the noise
-  the unsharded tensor would get, so a sharded run rounds exactly as a DDP run does.
+  One thing needs help: the stochastic rounding noise of the moments is a hash of each element's index
+  in the whole tensor — adapt_optimizer() rounds each shard with the global indices of its elements,
+  so a sharded run rounds exactly as a DDP run does (and no rank computes another rank's noise).
 """
 
 from __future__ import annotations
@@ -144,24 +144,19 @@ def _shard_slices(t) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def stochastic_round_dtensor(x, dtype: torch.dtype, gen: torch.Generator):
-    """mixprec.optim's stochastic rounding of a DTensor shard, with the shard's slice of the noise that
-    the whole tensor would get (same generator state on every rank), so sharded == unsharded rounding."""
+def stochastic_round_dtensor(x, dtype: torch.dtype, key: int | None, lane: int):
+    """mixprec.optim's rounding of a DTensor shard: with its slice of the noise the whole tensor would
+    get (the noise is a hash of each element's global index), so sharded == unsharded rounding."""
     from torch.distributed.tensor import DTensor
 
+    from mixprec.stochastic_rounding import flat_indices, stochastic_round
+
     local = x.to_local()
-    if dtype != torch.bfloat16:
+    if key is None or dtype != torch.bfloat16:
         rounded = local.to(dtype)
     else:
-        # the unsharded tensor's noise draw, then this shard's part (a generator cannot skip ahead)
-        noise = torch.randint(
-            0, 1 << 16, tuple(x.shape), generator=gen, device=local.device, dtype=torch.int32
-        )
-        part = noise[_shard_slices(x)]
-        bits = local.contiguous().view(torch.int32)
-        out = ((bits + part.reshape(bits.shape)) & -65536).view(torch.float32)
-        # the same arithmetic as mixprec.optim._stochastic_round, on the shard
-        rounded = torch.where(torch.isfinite(out), out, local).to(torch.bfloat16)
+        index = flat_indices(tuple(x.shape), _shard_slices(x), device=local.device)
+        rounded = stochastic_round(local, key, lane, index=index)
     return DTensor.from_local(
         rounded, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
     )
@@ -178,12 +173,10 @@ def adapt_optimizer(optimizer: Any) -> Any:
         return optimizer
     plain_round = optimizer._round
 
-    def _round(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _round(self, x: torch.Tensor, dtype: torch.dtype, key: int | None, lane: int) -> torch.Tensor:
         if _is_dtensor(x):
-            if self.stochastic_rounding:
-                return stochastic_round_dtensor(x, dtype, self._gen)
-            return x.to(dtype)
-        return plain_round(x, dtype)
+            return stochastic_round_dtensor(x, dtype, key, lane)
+        return plain_round(x, dtype, key, lane)
 
     optimizer._round = types.MethodType(_round, optimizer)
     plain_moment_dtype = getattr(optimizer, "_moment_dtype", None)
