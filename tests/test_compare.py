@@ -65,7 +65,7 @@ def test_writes_every_artefact_and_nothing_else(tiny):
     assert html.count("data:image/png;base64,") >= 4  # loss curves, gaps, heat maps
     assert "Verdict" in html and "fp8-unscaled" in html
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["schema_version"] == 1 and doc["verdict_loss"] == "val"
+    assert doc["schema_version"] == 1 and doc["verdict_loss"] == "train"
     assert all(r["schema_version"] == 1 for r in _records(out))
     kinds = {r["kind"] for r in _records(out)}
     assert {"step", "eval", "precision"} <= kinds
@@ -105,6 +105,7 @@ def test_broken_recipe_fails_and_the_statistics_show_why(tiny):
     # E4M3 with scale 1: gradients (~1e-4) fall below E4M3's smallest subnormal and vanish
     assert broken.underflow_peak["grad_output"]["value"] > 0.5
     assert any("underflow" in r for r in broken.reasons)
+    assert broken.train_gap > summary.config["thresholds"]["fp8"]
     assert broken.val_gap > summary.config["thresholds"]["fp8"]
     good = summary.recipes["fp8-delayed"]
     assert good.underflow_peak["grad_output"]["value"] < broken.underflow_peak["grad_output"]["value"]
@@ -179,7 +180,9 @@ def _synthetic(run: str, losses: list[float], vals: list[float]) -> list[dict]:
 
 
 def test_baselines_thresholds_and_verdicts_from_records():
-    cfg = CompareConfig(recipes=("fp32", "bf16", "fp8-delayed", "fp8-current"), steps=10, eval_last=2)
+    cfg = CompareConfig(
+        recipes=("fp32", "bf16", "fp8-delayed", "fp8-current"), steps=10, eval_last=2, verdict_loss="val"
+    )
     assert cfg.baselines() == {"fp32": None, "bf16": "fp32", "fp8-delayed": "bf16", "fp8-current": "bf16"}
     assert CompareConfig(recipes=("fp32", "fp8-delayed"), steps=10).baselines()["fp8-delayed"] == "fp32"
     assert (
@@ -205,7 +208,9 @@ def test_baselines_thresholds_and_verdicts_from_records():
         {"kind": "nan_event", "run": "bf16", "step": 3, "layer": "l", "tensor": "loss", "type": "nan"},
     ]
     assert summarize(worse, cfg).recipes["bf16"].verdict == "fail"
-    tight = CompareConfig(recipes=cfg.recipes, steps=10, eval_last=2, thresholds={"fp8": 0.001})
+    tight = CompareConfig(
+        recipes=cfg.recipes, steps=10, eval_last=2, thresholds={"fp8": 0.001}, verdict_loss="val"
+    )
     assert summarize(records, tight).recipes["fp8-delayed"].verdict == "fail"
     assert summarize(records, tight).exit_code == 1
 

@@ -180,3 +180,23 @@ def test_native_cuda_agrees_with_emulation(ga, gb):
         pytest.skip(str(exc))
     mag = qa.dequantize().abs() @ qb.dequantize().abs().t()
     assert ((emu - nat).abs() <= 2**-8 * mag + 1e-6).all()
+
+
+@pytest.mark.parametrize("granularity", [Granularity.tensor(), Granularity.rows()], ids=["tensor", "rows"])
+@pytest.mark.parametrize("magnitude", [1e-12, 1.0, 1e12, 1e30])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_folding_the_cpu_decode_factor_into_the_scales_changes_no_bit(granularity, magnitude, out_dtype):
+    # the CPU decodes E4M3 as values * 2^-8 and moves 2^16 into the scales (formats.decode_unscaled);
+    # operands that carry their exactly decoded values take the plain path: both must agree bit for bit
+    from mixprec.gemm import with_decoded
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 96, generator=gen) * magnitude
+    w = torch.randn(48, 96, generator=gen) * magnitude
+    bias = torch.randn(48, generator=gen)
+    qa, qb = quantize_operand(x, E4M3, granularity), quantize_operand(w, E4M3, granularity)
+    for b in (None, bias):
+        folded = scaled_mm(qa, qb, out_dtype=out_dtype, bias=b, backend="emulated")
+        exact = scaled_mm(with_decoded(qa), with_decoded(qb), out_dtype=out_dtype, bias=b, backend="emulated")
+        assert torch.equal(folded.view(torch.int16 if out_dtype != torch.float32 else torch.int32),
+                           exact.view(torch.int16 if out_dtype != torch.float32 else torch.int32))  # fmt: skip

@@ -5,9 +5,9 @@
 
 Each recipe trains a copy of one initial model on the same batches; each baseline (fp32 for bf16,
 bf16 for fp8 when present) is also re-run with only the data order changed, so every gap stands next
-to the run-to-run noise it must be read against. The verdict compares the validation loss (mean of the
-last evaluations on the same held-out blocks for every recipe) by default; `verdict_loss="train"` uses
-the mean train loss of the last 10 % of steps instead. See docs/compare.md and docs/schemas/compare.md.
+to the run-to-run noise it must be read against. The verdict compares the train loss by default (mean
+of the last 10 % of steps, the same batches for every recipe); `verdict_loss="val"` uses the
+validation loss (mean of the last evaluations on the same held-out blocks) instead. See docs/compare.md and docs/schemas/compare.md.
 """
 
 from __future__ import annotations

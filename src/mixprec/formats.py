@@ -444,6 +444,32 @@ def decode(payload: torch.Tensor, fmt: str | Format) -> torch.Tensor:
 _E4M3_NAN_MAGNITUDE = 0x7F  # S.1111.111: the only NaN codes of E4M3 ("fn": no infinities)
 
 
+def decode_unscaled(payload: torch.Tensor, fmt: str | Format) -> tuple[torch.Tensor, float]:
+    """(values, factor) with values * factor == decode(payload) exactly; factor is a power of two.
+
+    For a GEMM that multiplies its fp32 result by scales anyway: the CPU's E4M3 decode gives its
+    values times 2^-8 first (see _decode_fp8_cpu), and folding the 2^8 into the scales saves a pass.
+    """
+    fmt = get_format(fmt)
+    if payload.dtype == torch.uint8 and fmt.torch_dtype is not None:
+        payload = payload.view(fmt.torch_dtype)
+    cpu_e4m3 = payload.device.type == "cpu" and fmt.name == "e4m3" and not torch.compiler.is_compiling()
+    if cpu_e4m3 and not _has_e4m3_nan(payload):
+        return _e4m3_times_2_to_minus_8(payload), 256.0
+    return decode(payload, fmt), 1.0
+
+
+def _has_e4m3_nan(payload: torch.Tensor) -> bool:
+    codes = payload.view(torch.int8)
+    return bool(codes.numel()) and int(codes.bitwise_and(_E4M3_NAN_MAGNITUDE).amax()) == 0x7F
+
+
+def _e4m3_times_2_to_minus_8(payload: torch.Tensor) -> torch.Tensor:
+    bits = payload.view(torch.int8).to(torch.int16)
+    bits.bitwise_left_shift_(7).bitwise_and_(-16385)  # -16385 is 0xBFFF as an int16: clears bit 14
+    return bits.view(torch.float16).float()
+
+
 def _decode_fp8_cpu(payload: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Exact float32 values of an E4M3 / E5M2 payload through fp16 bit patterns (vectorized integer ops).
 
@@ -456,11 +482,8 @@ def _decode_fp8_cpu(payload: torch.Tensor, fmt: Format) -> torch.Tensor:
     Its NaN codes would come out as +-480 (not an E4M3 value): a payload holding one, which only a
     NaN input makes, is found by one byte reduction and decoded by torch's cast instead.
     """
-    codes = payload.view(torch.int8)
-    if fmt.name == "e4m3" and codes.numel() and int(codes.bitwise_and(_E4M3_NAN_MAGNITUDE).amax()) == 0x7F:
-        return payload.float()
-    bits = codes.to(torch.int16)
     if fmt.name == "e5m2":
-        return bits.bitwise_left_shift_(8).view(torch.float16).float()
-    bits.bitwise_left_shift_(7).bitwise_and_(-16385)  # -16385 is 0xBFFF as an int16: clears bit 14
-    return bits.view(torch.float16).float().mul_(256.0)
+        return payload.view(torch.int8).to(torch.int16).bitwise_left_shift_(8).view(torch.float16).float()
+    if _has_e4m3_nan(payload):
+        return payload.float()
+    return _e4m3_times_2_to_minus_8(payload).mul_(256.0)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format, decode, get_format
+from mixprec.formats import Format, decode, decode_unscaled, get_format
 from mixprec.scaling import (
     Granularity,
     QuantizedTensor,
@@ -238,6 +238,16 @@ def _values(q: QuantizedTensor) -> torch.Tensor:
     return v if v is not None else decode(q.data, q.fmt)
 
 
+def _values_unscaled(q: QuantizedTensor) -> tuple[torch.Tensor, float]:
+    """(values, factor): the decoded payload is values * factor (a power of two), see decode_unscaled."""
+    v = getattr(q, "values", None)
+    return (v, 1.0) if v is not None else decode_unscaled(q.data, q.fmt)
+
+
+def _with_exact_values(q: QuantizedTensor) -> DecodedTensor:
+    return q if getattr(q, "values", None) is not None else with_decoded(q)
+
+
 def _emulated(
     a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -250,8 +260,16 @@ def _emulated(
             out.add_(bias.float())
         return out if out_dtype == torch.float32 else out.to(out_dtype)
     # payload products accumulated in fp32, then the scales: what a tensorwise/rowwise kernel does
-    va, vb = _values(a), _values(b).t()
+    (va, fa), (vb, fb) = _values_unscaled(a), _values_unscaled(b)
+    vb = vb.t()
     sa, sb = _row_scales(a, a.data.shape[0]), _row_scales(b, b.data.shape[0]).t()
+    if fa * fb != 1.0:
+        # decoded values times 2^-8 (formats.decode_unscaled): exact, the sums scale with them (they
+        # stay far above fp32's subnormals), so the power of two moves into a's scale, which multiplies
+        # the sums first: every product below is the same real number as without it, bit-identically
+        sa = sa * (fa * fb)
+        if not bool(torch.isfinite(sa).all()):  # only scales near fp32's maximum: decode exactly
+            return _emulated(_with_exact_values(a), _with_exact_values(b), bias, out_dtype)
     if sa.numel() == 1 and sb.numel() == 1 and torch.compiler.is_compiling():
         # float(scale) would be a graph break: multiply by the scale tensor (same math; the fused
         # BLAS alpha/beta of eager may round the bias addition once less)

@@ -101,7 +101,9 @@ class NoiseStream:
         self.seed, self.counter = int(state["seed"]), int(state["counter"])
 
 
-def flat_indices(shape: tuple[int, ...], slices: tuple[slice, ...] | None = None, device=None) -> torch.Tensor:
+def flat_indices(
+    shape: tuple[int, ...], slices: tuple[slice, ...] | None = None, device=None
+) -> torch.Tensor:
     """int32 row-major indices, in the whole tensor of `shape`, of the elements of a slice of it
     (all of it when slices is None), laid out in the slice's shape."""
     if slices is None:

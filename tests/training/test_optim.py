@@ -215,6 +215,7 @@ def test_a_slice_rounds_with_its_part_of_the_whole_tensors_noise():
     part = stochastic_round(x[sl], key, 1, index=flat_indices((64, 48), sl))
     assert torch.equal(part.view(torch.int16), whole[sl].view(torch.int16))
 
+
 def test_fp32_matches_torch_foreach_adamw_exactly_with_uneven_steps():
     # several parameters, one of which misses a gradient in some steps (its own step count)
     a, b = _model(), _model()

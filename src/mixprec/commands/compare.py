@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 NAME = "compare"
 HELP = (
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verdict-loss",
         choices=("val", "train"),
-        default="val",
+        default="train",
         help="which loss the verdict compares (default: %(default)s)",
     )
     parser.add_argument(
@@ -134,7 +135,8 @@ def print_summary(summary) -> None:
         noise = "–" if r.noise_train is None else f"{pct(r.noise_train)} / {pct(r.noise_val)}"
         table.add_row(name, r.baseline or "–", pct(r.train_gap), pct(r.val_gap), noise, peak(r.saturation_peak),
                       peak(r.underflow_peak), str(r.nan_events), f"[{colour}]{r.verdict}[/{colour}]")  # fmt: skip
-    console = Console()
+    # piped or logged output has no terminal width: rich would squeeze the table into 80 columns
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
     for name, r in summary.recipes.items():
         if r.verdict == "fail":

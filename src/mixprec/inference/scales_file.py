@@ -87,9 +87,26 @@ def build_document(
 
 
 def write_scales_file(path: Path, doc: dict[str, Any]) -> None:
+    """The document with one line per layer: readable, and fast to write. (json.dumps with indent= runs
+    the pure-Python encoder: 0.6 s for a 2 GB Llama's 387k per-channel scales, on the critical path;
+    the C encoder, used for each layer's entry, takes a tenth of that.)"""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(_dumps_one_layer_per_line(doc) + "\n")
     os.replace(tmp, path)
+
+
+def _dumps_one_layer_per_line(doc: dict[str, Any]) -> str:
+    def dump(v: Any) -> str:
+        return json.dumps(v, allow_nan=False)
+
+    parts = []
+    for key, value in doc.items():
+        if key == "layers" and isinstance(value, dict) and value:
+            body = ",\n".join(f"  {dump(name)}: {dump(entry)}" for name, entry in value.items())
+            parts.append(f" {dump(key)}: {{\n{body}\n }}")
+        else:
+            parts.append(f" {dump(key)}: {dump(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}"
 
 
 def _bad(path: str, what: str) -> MixprecError:
