@@ -12,7 +12,7 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, E5M2
 from mixprec.gemm import quantize_operand, quantize_transposed, scaled_mm, transpose_quantized
 from mixprec.hardware import detect
-from mixprec.scaling import Granularity, quantize
+from mixprec.scaling import Granularity, QuantizedTensor, quantize
 
 GRANULARITIES = [
     Granularity.tensor(),
@@ -200,3 +200,28 @@ def test_folding_the_cpu_decode_factor_into_the_scales_changes_no_bit(granularit
         exact = scaled_mm(with_decoded(qa), with_decoded(qb), out_dtype=out_dtype, bias=b, backend="emulated")
         assert torch.equal(folded.view(torch.int16 if out_dtype != torch.float32 else torch.int32),
                            exact.view(torch.int16 if out_dtype != torch.float32 else torch.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "granularity",
+    [Granularity.blocks(1, 128), Granularity.blocks(128, 128), Granularity.mx(32)],
+    ids=lambda g: g.name,
+)
+@pytest.mark.parametrize("magnitude", [1e-12, 1.0, 1e12])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_blockwise_dequantization_with_the_folded_decode_factor_is_exact(granularity, magnitude, transposed):
+    # dequantize_blockwise multiplies the CPU decode (values * 2^-8) by scale * 2^8: the same products
+    from mixprec.formats import decode
+    from mixprec.gemm import _expand_scale, dequantize_blockwise
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(256, 384, generator=gen) * magnitude
+    q = quantize_operand(x, E4M3, granularity)
+    if transposed:  # a transposed payload view with the transposed grid, as the backward GEMMs use
+        q = QuantizedTensor(
+            q.data.t(), q.scale.t().contiguous(), q.fmt, granularity.transposed(), q.data.t().shape
+        )
+    rows, cols = q.data.shape
+    br, bc = q.granularity.block_shape(rows, cols)
+    want = decode(q.data, E4M3) * _expand_scale(q.scale, br, bc, rows, cols)
+    assert torch.equal(dequantize_blockwise(q).view(torch.int32), want.view(torch.int32))
