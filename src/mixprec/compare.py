@@ -7,7 +7,8 @@ Each recipe trains a copy of one initial model on the same batches; each baselin
 bf16 for fp8 when present) is also re-run with only the data order changed, so every gap stands next
 to the run-to-run noise it must be read against. The verdict compares the train loss by default (mean
 of the last 10 % of steps, the same batches for every recipe); `verdict_loss="val"` uses the
-validation loss (mean of the last evaluations on the same held-out blocks) instead. See docs/compare.md and docs/schemas/compare.md.
+validation loss (mean of the last evaluations on the same held-out blocks) instead. See
+docs/compare.md and docs/schemas/compare.md.
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def quantize_operand(
 ) -> QuantizedTensor:
     """scaling.quantize with fewer memory passes, for torch FP8 dtypes (other formats: delegated).
 
-    bf16/fp16 inputs get one fp32 working copy (exact), divided and clamped in place. A given `scale` must already be on the grid (callers on the hot path computed it), it
-    is not validated. The payload is scaling.encode_cast(x / scale): the foundation's saturating cast.
+    bf16/fp16 inputs get one fp32 working copy (exact), reduced, divided and clamped in place. A given
+    `scale` must already be on the grid (callers on the hot path computed it), it is not validated. The payload is scaling.encode_cast(x / scale): the foundation's saturating cast.
     """
     fmt = get_format(fmt)
     g = granularity or Granularity.tensor()
@@ -205,11 +205,9 @@ def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
     # the CPU's E4M3 decode gives values * 2^-8 (formats.decode_unscaled): the 2^8 joins the scales,
     # exactly (a power of two), so each product is the same real number as decoded value * scale
     values, factor = decode_unscaled(q.data, q.fmt)
-    scale = q.scale
-    if factor != 1.0:
-        scale = scale * factor
-        if not bool(torch.isfinite(scale).all()):  # scales near fp32's maximum: the exact values instead
-            values, scale = values.mul_(factor), q.scale
+    scale = _folded_scale(q.scale, factor)
+    if scale is None:  # scales near fp32's maximum: the exact values instead
+        values, scale = values.mul_(factor), q.scale
     if values.data_ptr() == q.data.data_ptr():
         values = values.clone()
     if rows % br == 0 and cols % bc == 0:
@@ -220,6 +218,14 @@ def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
             values.t().view(cols // bc, bc, rows // br, br).mul_(scale.t()[:, None, :, None])
             return values
     return apply_blockwise(values, scale, q.granularity, torch.mul)
+
+
+def _folded_scale(scale: torch.Tensor, factor: float) -> torch.Tensor | None:
+    """scale * factor (a power of two from formats.decode_unscaled: exact), None if that overflows."""
+    if factor == 1.0:
+        return scale
+    folded = scale * factor
+    return folded if bool(torch.isfinite(folded).all()) else None
 
 
 def _expand_scale(scale: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
@@ -241,11 +247,6 @@ class DecodedTensor(QuantizedTensor):
 
 def with_decoded(q: QuantizedTensor) -> DecodedTensor:
     return DecodedTensor(q.data, q.scale, q.fmt, q.granularity, q.shape, decode(q.data, q.fmt))
-
-
-def _values(q: QuantizedTensor) -> torch.Tensor:
-    v = getattr(q, "values", None)
-    return v if v is not None else decode(q.data, q.fmt)
 
 
 def _values_unscaled(q: QuantizedTensor) -> tuple[torch.Tensor, float]:
@@ -273,13 +274,12 @@ def _emulated(
     (va, fa), (vb, fb) = _values_unscaled(a), _values_unscaled(b)
     vb = vb.t()
     sa, sb = _row_scales(a, a.data.shape[0]), _row_scales(b, b.data.shape[0]).t()
-    if fa * fb != 1.0:
-        # decoded values times 2^-8 (formats.decode_unscaled): exact, the sums scale with them (they
-        # stay far above fp32's subnormals), so the power of two moves into a's scale, which multiplies
-        # the sums first: every product below is the same real number as without it, bit-identically
-        sa = sa * (fa * fb)
-        if not bool(torch.isfinite(sa).all()):  # only scales near fp32's maximum: decode exactly
-            return _emulated(_with_exact_values(a), _with_exact_values(b), bias, out_dtype)
+    # decoded values times 2^-8 (formats.decode_unscaled): exact, the sums scale with them (they stay
+    # far above fp32's subnormals), so the power of two moves into a's scale, which multiplies the sums
+    # first: every product below is the same real number as without it, bit-identically
+    sa = _folded_scale(sa, fa * fb)
+    if sa is None:  # only scales near fp32's maximum: decode exactly
+        return _emulated(_with_exact_values(a), _with_exact_values(b), bias, out_dtype)
     if sa.numel() == 1 and sb.numel() == 1 and torch.compiler.is_compiling():
         # float(scale) would be a graph break: multiply by the scale tensor (same math; the fused
         # BLAS alpha/beta of eager may round the bias addition once less)
