@@ -136,6 +136,22 @@ def test_error_mid_write_leaves_nothing(copy_of, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+def test_failure_removes_the_parent_folders_it_created(copy_of, tmp_path, capsys):
+    """`--output a/new/parent/out` creates the missing parents; a failure removes them again, but not a
+    parent that existed before."""
+    m = copy_of()
+    sd = load_file(m / "model.safetensors")
+    sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(sd, m / "model.safetensors", metadata={"format": "pt"})
+    assert _cli(m, tmp_path / "a" / "new" / "parent" / "out") == 2
+    assert "model.layers.1.mlp.down_proj.weight" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    assert _cli(m, tmp_path / "kept" / "new" / "out") == 2
+    assert list((tmp_path / "kept").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "m"]
+
+
 # ---- scales files and loading ----------------------------------------------------------------------
 
 

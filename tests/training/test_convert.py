@@ -62,13 +62,17 @@ def test_fp32_stays_true_fp32_under_fast_paths():
     m = tiny_llama().to(torch.bfloat16)
     convert_for_training(m, "fp32")
     assert all(p.dtype == torch.float32 for p in m.parameters())
-    seen = []
+    seen, seen_backward = [], []
     m.model.layers[0].mlp.register_forward_hook(lambda *a: seen.append(torch.get_float32_matmul_precision()))
+    m.model.layers[0].mlp.register_full_backward_hook(
+        lambda *a: seen_backward.append(torch.get_float32_matmul_precision())
+    )
     with mixprec.enable_fast_paths():
         assert torch.get_float32_matmul_precision() == "high"
         _step(m)
         assert torch.get_float32_matmul_precision() == "high"
     assert seen == ["highest"]
+    assert seen_backward == ["highest"]  # the backward GEMMs too, not only the forward
 
 
 def test_fp32_island_rule():
@@ -177,6 +181,12 @@ def test_fp8_moe_router_untouched_experts_grouped():
     assert isinstance(moe.experts, GroupedFp8Experts)
     assert report["model.layers.0.mlp.experts"].precision == "fp8:fp8-current"
     assert report["model.layers.0.mlp.gate"].precision == "bf16"
+    # embeddings, norms and the head stay as they were (bf16), like on a dense model
+    assert type(m.model.embed_tokens) is nn.Embedding and type(m.lm_head) is nn.Linear
+    norms = [n for n, mod in m.named_modules() if type(mod).__name__ == "MixtralRMSNorm"]
+    assert len(norms) == 3 and all(report[n].precision == "bf16" for n in norms)
+    assert report["model.embed_tokens"].precision == "bf16" and report["lm_head"].precision == "bf16"
+    assert report["model.embed_tokens"].role == "embedding" and report["lm_head"].role == "head"
     # the grouped FP8 experts compute what the bf16 experts compute, up to FP8 quantization
     with torch.no_grad():
         y = m(input_ids=IDS).logits.float()
@@ -302,3 +312,23 @@ def test_convert_after_wrapping_is_refused(tmp_path):
             convert_for_training(sharded, "fp8-delayed")
     finally:
         dist.destroy_process_group()
+
+
+def test_fp8_delayed_expert_that_got_no_tokens_in_its_first_step_keeps_small_gradients():
+    """An expert routed no tokens in step 1 has no scale after the advance; in step 2 it scales from
+    its own amax (a placeholder scale of 1 would flush these 1e-6 gradients to zero)."""
+    from mixprec.training import scaling_state
+
+    m = tiny_mixtral()
+    convert_for_training(m, "fp8-delayed")
+    experts = m.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+    weights = torch.ones(8, 1, dtype=torch.bfloat16)
+    experts(h, torch.zeros(8, 1, dtype=torch.long), weights).float().sum().backward()  # expert 0 only
+    scaling_state.advance(m)
+    assert experts.fp8_down[1].fp8_scale.tolist() == [0.0, 0.0, 0.0]  # expert 1: nothing recorded yet
+    experts.down_proj.grad = None
+    out = experts(h, torch.ones(8, 1, dtype=torch.long), weights)  # now expert 1 gets every token
+    (out.float() * 1e-6).sum().backward()
+    assert experts.down_proj.grad[1].abs().max() > 0

@@ -132,22 +132,32 @@ def _train(model, opt, steps, start):
     for s in range(start, start + steps):
         gen = torch.Generator().manual_seed(s)
         for _ in range(2):  # two micro-batches per optimizer step
-            x = torch.randn(8, IN, generator=gen) * (1 + s)
+            x = (torch.randn(8, IN, generator=gen) * (1 + s)).to(model[0].weight.dtype)
             model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
         scaling_state.advance(model)
 
 
-def test_save_and_load_mid_run_continues_bit_identically():
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _optimizer(model, kind):
+    if kind == "torch":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from mixprec.optim import AdamW  # fp32 masters, bf16 moments with stochastic rounding
+
+    return AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("params", ["fp32 + torch AdamW", "bf16 + mixprec AdamW"])
+def test_save_and_load_mid_run_continues_bit_identically(params):
+    dtype, kind = (torch.float32, "torch") if params.startswith("fp32") else (torch.bfloat16, "mixprec")
+    model = _model().to(dtype)
+    opt = _optimizer(model, kind)
     _train(model, opt, 3, 0)
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))  # as torch.save would freeze them
     _train(model, opt, 3, 3)
 
-    resumed = _model(seed=1)  # different init: everything must come from the checkpoint
-    opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed = _model(seed=1).to(dtype)  # different init: everything must come from the checkpoint
+    opt2 = _optimizer(resumed, kind)
     resumed.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
     assert resumed[0].scaling_step.item() == 3
@@ -172,3 +182,56 @@ def test_forwards_without_grad_leave_the_history_alone():
     with torch.no_grad():  # evaluation during training
         y = layer(torch.randn(16, IN) * 50)
     assert y.shape == (16, OUT) and layer.amax_history.abs().sum() == 0
+
+
+def test_a_role_without_a_usable_amax_yet_scales_from_its_current_amax():
+    """A layer that got no data in its first step (an MoE expert without tokens, a skipped branch) has
+    no scale for its roles after the advance; it must not quantize with a placeholder scale (1.0 would
+    flush a 1e-6 gradient to zero) but from the current amax, as current scaling does, until a step
+    records a usable amax."""
+    idle, fresh = _layer(seed=4), _layer("fp8-current", seed=4)
+    idle.advance_scaling()  # a step in which this layer saw nothing
+    assert idle.scaling_step.item() == 1 and idle.fp8_scale.tolist() == [0.0, 0.0, 0.0]
+    grads = []
+    for layer in (idle, fresh):
+        x = _micro_batch(layer, amp_x=1.0, amp_dy=1e-6, seed=6)
+        grads.append((x.grad, layer.weight.grad))
+    (gx, gw), (gx_cur, gw_cur) = grads
+    assert gw.abs().max() > 0 and gx.abs().max() > 0  # with scale 1 both were exactly 0
+    assert torch.equal(gx, gx_cur) and torch.equal(gw, gw_cur)  # what current scaling gives
+    idle.advance_scaling()  # now the history holds this step's amax: delayed scaling takes over
+    assert idle.fp8_scale[2].item() == pytest.approx(1e-6 / E5M2.max, rel=1e-6)
+
+
+def test_gemms_after_an_advance_use_the_history_scales_and_saturate_like_the_reference():
+    """Step 2 quantizes with the scales of step 1's amax (delayed), not its own: an input twice as large
+    as before saturates at E4M3's max. All three GEMMs against an fp64 GEMM of the operands quantized by
+    the foundation's quantize() with exactly those scales."""
+    from mixprec.scaling import quantize
+
+    layer = _layer("fp8-delayed:history=4", seed=5)
+    _micro_batch(layer, amp_x=2.0, amp_dy=0.5, seed=7)
+    layer.advance_scaling()
+    s_x, s_w, s_dy = (layer.fp8_scale[i].reshape(1, 1).clone() for i in range(3))
+    layer.weight.grad = None
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(16, IN, generator=gen)
+    x = (x / x.abs().max() * 4.0).requires_grad_(True)  # amax 4: twice the history's -> saturates
+    dy = torch.randn(16, OUT, generator=gen) * 0.1
+    y = layer(x)
+    y.backward(dy)
+
+    def deq(t, fmt, scale):
+        return quantize(t.detach().float(), fmt, scale=scale).dequantize(torch.float64)
+
+    qx, qw, qdy = deq(x, E4M3, s_x), deq(layer.weight, E4M3, s_w), deq(dy, E5M2, s_dy)
+    assert qx.abs().max().item() == pytest.approx(E4M3.max * s_x.item(), rel=1e-7)  # saturated
+    assert (x.detach().abs() > E4M3.max * s_x).sum() > 0
+    bias = layer.bias.detach().double()
+    for got, a, b, add in (
+        (y, qx, qw, bias),  # output = X · Wᵀ + b
+        (x.grad, qdy, qw.t(), 0.0),  # grad_input = dY · W
+        (layer.weight.grad, qdy.t(), qx.t(), 0.0),  # grad_weight = dYᵀ · X
+    ):
+        want, mag = a @ b.t() + add, a.abs() @ b.abs().t() + abs(add)
+        assert ((got.detach().double() - want).abs() <= 2e-6 * mag + 1e-30).all()

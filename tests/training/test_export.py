@@ -101,3 +101,33 @@ def test_moe_with_grouped_fp8_experts(tmp_path):
     sd = m.state_dict()
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, sd[k]), k
+
+
+def test_fp32_export_writes_the_optimizers_master_weights(tmp_path):
+    """bf16 parameters trained with mixprec AdamW: the true weights are the fp32 masters (the parameter
+    is their bf16 rounding). An fp32 export with optimizer= writes the masters; without it, the bf16
+    values widened; a bf16 export gives the parameter's bits either way."""
+    m = tiny_llama()
+    mixprec.convert_for_training(m, "bf16")
+    opt = AdamW(m.parameters(), lr=1e-3)
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    name, p = "model.layers.0.mlp.up_proj.weight", m.get_submodule("model.layers.0.mlp.up_proj").weight
+    master = opt.state[p]["master"]
+    assert master.dtype == torch.float32 and not torch.equal(master, p.float())  # masters carry more bits
+    mixprec.export_for_inference(m, tmp_path / "m32", dtype="fp32", optimizer=opt)
+    mixprec.export_for_inference(m, tmp_path / "p32", dtype="fp32")
+    mixprec.export_for_inference(m, tmp_path / "m16", dtype="bf16", optimizer=opt)
+    from_master, from_param = (
+        load_file(str(tmp_path / "m32/model.safetensors")),
+        load_file(str(tmp_path / "p32/model.safetensors")),
+    )
+    assert torch.equal(from_master[name], master) and torch.equal(from_param[name], p.float())
+    assert torch.equal(load_file(str(tmp_path / "m16/model.safetensors"))[name], p.detach())
+    record = json.loads((tmp_path / "m32/mixprec_export.json").read_text())
+    assert name in record["from_master_weights"]
+    with pytest.raises(MixprecError, match="Optimizer"):
+        mixprec.export_for_inference(m, tmp_path / "bad", dtype="fp32", optimizer="adam")

@@ -55,6 +55,14 @@ def calibrate_layerwise(
     from mixprec.inference.load import build_skeleton
 
     model = build_skeleton(model_dir, config).eval()
+    known = set(model.state_dict())
+    unknown = [n for n in ckpt.tensors if n not in known]
+    # blocks are filled by checkpoint name: tensors the model names differently (MoE experts) would stay empty
+    if unknown:
+        raise MixprecError(
+            f"layer-by-layer calibration loads tensors by their checkpoint names, and {type(model).__name__} "
+            f"names {len(unknown)} of them differently (e.g. {unknown[0]!r}); pass --no-layer-by-layer"
+        )
     prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
     outside = [n for n in ckpt.tensors if not n.startswith(prefix + ".")]
     stray = [n for n in linear_names if not n.startswith(prefix + ".")]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,10 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.inference.experts import unfuse_skeleton
 from mixprec.inference.fp8_linear import FP8InferenceLinear
 from mixprec.inference.layouts import LayoutSpec, ModuleLayout, parse_quantization_config
+from mixprec.inference.linear_weights import conversion_transforms, rename_key
 from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
 from mixprec.inference.scales_file import (
@@ -112,6 +114,27 @@ def _spec_from_scales(doc: dict[str, Any]) -> LayoutSpec:
     return LayoutSpec("scales-file", ((names, ml),), (), False)
 
 
+def _model_keys(model: nn.Module, keys: Iterable[str], part_of: dict[str, str]) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """({checkpoint key: model key} for the keys the model names differently, [keys transformers would
+    convert in ways this loader does not]): per-expert tensors go to their UnfusedExperts part, other
+    keys through transformers' checkpoint renamings (e.g. Mixtral's block_sparse_moe -> mlp)."""
+    renamings, converters = conversion_transforms(model)
+    params = dict(model.named_parameters())
+    out: dict[str, str] = {}
+    unmapped: list[str] = []
+    for k in keys:
+        module, _, leaf = k.rpartition(".")
+        if module in part_of:
+            out[k] = f"{part_of[module]}.{leaf}"
+        elif renamings or converters:
+            new, conv, _ = rename_key(k, renamings, converters, model, params)
+            if conv is not None:
+                unmapped.append(f"{k} -> {new}")
+            elif new != k:
+                out[k] = new
+    return out, unmapped
+
+
 def load_quantized(
     path: str | os.PathLike,
     *,
@@ -151,6 +174,20 @@ def load_quantized(
 
     model = build_skeleton(root, config)
     dtype = model.mixprec_dtype
+    # per-expert checkpoint weights of fused transformers experts become one Linear each (experts.py)
+    part_of = unfuse_skeleton(
+        model, {n[: -len(".weight")]: i.shape for n, i in ckpt.tensors.items() if n.endswith(".weight")}
+    )
+    renamed, unmapped = _model_keys(model, ckpt.tensors, part_of)
+    if unmapped:
+        raise MixprecError(
+            f"{root}: mixprec cannot map {len(unmapped)} checkpoint tensors onto {type(model).__name__}: "
+            f"transformers converts them (e.g. {unmapped[0]}), which mixprec's loader does only for per-expert "
+            "MoE weights; load this checkpoint with transformers or vLLM"
+        )
+    ckpt_module = {
+        v[: -len(".weight")]: k[: -len(".weight")] for k, v in renamed.items() if k.endswith(".weight")
+    }
     report = QuantizationReport(recipe=spec.layout, kind="fp8", device=str(device),
                                 param_dtype=str(dtype).replace("torch.", ""), scheme=spec.layout)  # fmt: skip
     file_layers = (file_doc or {}).get("layers", {})
@@ -160,13 +197,23 @@ def load_quantized(
     with ShardReader() as reader:
         for name, info in ckpt.tensors.items():
             tensors[name] = reader.get(info)
+    # hf-fp8 with modules_to_not_convert null: transformers skips its default modules (the output
+    # embeddings) and stores them in high precision; it and vLLM run lm_head unquantized
+    hf_default_skip: set[str] = set()
+    if spec.layout == "hf-fp8" and (qc or {}).get("modules_to_not_convert") is None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        hf_default_skip = {n for n, m in model.named_modules() if head is not None and m is head}
 
-    for name, mod in list(model.named_modules()):
+    for path, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear):
             continue
+        # the checkpoint's name: its tensors, ignore list and scales files use it
+        name = ckpt_module.get(path, path)
         ml = spec.module_layout(name, type(mod).__name__)
         w_name = f"{name}.weight"
         if ml is None or w_name not in tensors:
+            continue
+        if path in hf_default_skip and tensors[w_name].dtype != torch.float8_e4m3fn:
             continue
         w = tensors.pop(w_name)
         shape = (mod.out_features, mod.in_features)
@@ -230,7 +277,7 @@ def load_quantized(
         new = FP8InferenceLinear(q, bias, sch, input_scale=in_scale, out_dtype=dtype)
         if in_scale is None and not ml.input_dynamic:
             new.scheme = InferenceScheme(sch.name, sch.weight_granularity, sch.input_granularity, True)
-        _set_submodule(model, name, new)
+        _set_submodule(model, path, new)
         entry = layer_entry(
             scheme=sch.name, weight_granularity=ml.weight_granularity.name, weight_scale=q.scale, weight_amax=float("nan"),
             relative_weight_error=float("nan") if rel is None else rel, shape=shape, input_scale=in_scale,
@@ -239,6 +286,7 @@ def load_quantized(
         entry["weight"]["scale_source"] = source or "recomputed"
         report.add_fp8(name, "Linear", w.numel(), entry, "FP8InferenceLinear")
 
+    tensors = {renamed.get(k, k): t for k, t in tensors.items()}
     # KV-cache scales: kept as buffers on their attention modules (used by FP8 KV-cache engines)
     for name in [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]:
         owner, _, attr = name.rpartition(".")

@@ -413,17 +413,29 @@ def check_output(model_dir: Path, output_dir: Path, force: bool) -> None:
 @contextmanager
 def atomic_output_dir(output_dir: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary directory beside `output_dir`; on success it replaces `output_dir`, on any
-    error it is removed, leaving nothing behind."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    error it is removed, and so are the parent folders this call created, leaving nothing behind."""
+    parent = output_dir.parent.absolute()
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
+    parent.mkdir(parents=True, exist_ok=True)
+
+    def remove_created() -> None:
+        for p in created:
+            try:
+                p.rmdir()  # only if empty: something another process put there stays
+            except OSError:
+                break
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_created()
         raise
     if output_dir.exists():
         if not force:
             shutil.rmtree(tmp, ignore_errors=True)
+            remove_created()
             raise MixprecError(f"output {output_dir} appeared while quantizing; pass --force to replace it")
         old = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(output_dir, old)

@@ -1,11 +1,15 @@
 """Offline quantization of a Hugging Face safetensors checkpoint: `quantize_checkpoint`.
 
 Calibration-free schemes (fp8-dynamic, fp8-block) never instantiate the model: Linear weights are
-recognised by name and 2-D shape, confirmed against the Linear modules of the model built on the meta
-device from config.json (free: no memory; skipped for the model types of LINEAR_BY_NAME_MODEL_TYPES),
-and every tensor streams from the input shards to planned output shards, a few Linear weights in
-memory at a time (reused buffers; see _stream_tensors). Calibration (fp8-static, --kv-cache fp8)
-loads the model once to observe activations, frees it, then streams the weights the same way.
+recognised by name and 2-D shape (linear_weights.py: confirmed against the model built on the meta
+device, per-expert MoE weights and tied heads included), and every tensor streams from the input
+shards to planned output shards, a few Linear weights in memory at a time (reused buffers; see
+_stream_tensors). Calibration (fp8-static, --kv-cache fp8) loads the model once to observe
+activations, frees it, then streams the weights the same way.
+
+Every 2-D floating weight is accounted for: quantized, kept by an ignore pattern, or kept for a
+reason the report gives with a warning (a Linear whose dims do not suit FP8 kernels, a tied head,
+a weight that is no Linear's, fused 3-D experts).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import gc
 import json
 import math
 import os
-import re
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -28,6 +31,13 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference import layouts
+from mixprec.inference.linear_weights import (  # noqa: F401 - _EMBEDDING, LINEAR_BY_NAME_MODEL_TYPES re-exported
+    _EMBEDDING,
+    FLOAT_DTYPES,
+    LINEAR_BY_NAME_MODEL_TYPES,
+    LinearWeights,
+    find_linear_weights,
+)
 from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.safetensors_io import (
     Checkpoint,
@@ -46,6 +56,7 @@ from mixprec.inference.scales_file import build_document, layer_entry, write_sca
 from mixprec.inference.schemes import (
     InferenceScheme,
     check_finite,
+    matches_any,
     quantize_weight,
     resolve_ignore,
     skip_reason,
@@ -53,7 +64,6 @@ from mixprec.inference.schemes import (
 from mixprec.scaling import compute_scale
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def parse_size(size: str | int) -> int:
@@ -86,62 +96,6 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise MixprecError(f"{p} already has a quantization_config ({cfg['quantization_config'].get('quant_method')}): "
                            "the checkpoint is already quantized")  # fmt: skip
     return cfg
-
-
-def meta_linear_modules(
-    model_dir: Path, config: dict[str, Any]
-) -> tuple[dict[str, tuple[int, int]] | None, str]:
-    """{module name: (out, in)} of nn.Linear modules of the model built on the meta device, or None
-    (with the reason) when transformers cannot build it."""
-    try:
-        import transformers
-        from torch import nn
-    except ImportError:
-        return None, "transformers not installed"
-    archs = config.get("architectures") or []
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
-        cls = getattr(transformers, archs[0], None) if archs else None
-        with torch.device("meta"):
-            model = cls(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
-    except Exception as e:  # any failure only means we fall back on names and shapes
-        return None, f"could not build the model on the meta device ({type(e).__name__}: {e})"
-    found = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    if prefix:  # checkpoints of the bare base model lack the prefix, those of head models have it
-        found.update({n[len(prefix) + 1 :]: s for n, s in list(found.items()) if n.startswith(prefix + ".")})
-    return found, ""
-
-
-# Model types whose every 2-D floating `.weight` belongs to an nn.Linear, except the embeddings (named
-# as below): checked on transformers 5.24 meta models (CausalLM, base, MaskedLM, SequenceClassification
-# classes; tests/inference/test_quantize_weight_tiled.py re-checks a few). For them the model need not
-# be built: importing transformers' modelling code takes seconds, longer than quantizing 1 GB.
-LINEAR_BY_NAME_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite", "starcoder2",
-     "phi", "stablelm", "cohere", "bert", "roberta", "xlm-roberta", "distilbert", "electra"}
-)  # fmt: skip
-_EMBEDDING = re.compile(
-    r"(^|\.)(embed_tokens|embed_in|embed_out|wte|wpe|word_embeddings|position_embeddings"
-    r"|token_type_embeddings|embeddings)(\.|$)"
-)
-
-
-def find_linear_weights(ckpt: Checkpoint, model_dir: Path, config: dict[str, Any], report: QuantizationReport) -> dict[str, tuple[int, int]]:  # fmt: skip
-    """Module names whose `.weight` is a Linear weight: 2-D floating tensors, confirmed by the meta model
-    (or, for the model types of LINEAR_BY_NAME_MODEL_TYPES, all but the embeddings)."""
-    candidates = {
-        n[: -len(".weight")]: tuple(t.shape)
-        for n, t in ckpt.tensors.items()
-        if n.endswith(".weight") and len(t.shape) == 2 and t.dtype in FLOAT_DTYPES
-    }
-    if config.get("model_type") in LINEAR_BY_NAME_MODEL_TYPES:
-        return {n: s for n, s in candidates.items() if not _EMBEDDING.search(n)}
-    meta, why = meta_linear_modules(model_dir, config)
-    if meta is None:
-        report.warn(f"recognising Linear weights by name and 2-D shape only: {why}")
-        return candidates  # embeddings etc. are excluded by the default ignore patterns
-    return {n: s for n, s in candidates.items() if meta.get(n) == s}
 
 
 def _load_for_calibration(model_dir: Path, config: dict[str, Any]):
@@ -232,17 +186,19 @@ def quantize_checkpoint(
         scheme=sch.name, output=str(output_dir),
     )  # fmt: skip
     patterns = resolve_ignore(ignore, defaults=default_ignore)
-    linears = find_linear_weights(ckpt, model_dir, config, report)
-    targets: dict[str, tuple[int, int]] = {}
-    skipped: dict[str, str] = {}
-    for name, (out_f, in_f) in linears.items():
-        why = skip_reason(name, out_f, in_f, patterns)
-        if why:
-            skipped[name] = why
-        else:
-            targets[name] = (out_f, in_f)
+    lw = find_linear_weights(ckpt, model_dir, config)
+    if lw.warning:
+        report.warn(lw.warning)
+    targets, skipped, kept = _select(lw, patterns)
     if not targets:
         report.warn(f"no Linear weight of {model_dir} is quantized (all ignored or none recognised)")
+    unnamed = {n: why for n, (_, why) in kept.items() if why != "ignored by pattern"}
+    if unnamed:
+        listed = "; ".join(f"{n}: {why}" for n, why in list(unnamed.items())[:3])
+        report.warn(
+            f"{len(unnamed)} weight tensor(s) stay in high precision although no ignore pattern names them "
+            f"(e.g. {listed}{'; ...' if len(unnamed) > 3 else ''}); the report lists each with its reason"
+        )
 
     input_amax: dict[str, float] = {}
     kv_amax: dict[int, tuple[float, float]] = {}
@@ -266,10 +222,22 @@ def quantize_checkpoint(
                 )  # fmt: skip
         else:
             model = _load_for_calibration(model_dir, config)
-            with _progress(progress, "calibrating", len(batches)) as advance:
-                input_amax, kv_amax = calibrate(
-                    model, batches, names, observer=observer, kv_cache=bool(kv_cache), progress=advance
-                )
+            paths = _calibration_modules(model, names, lw)
+            try:
+                with _progress(progress, "calibrating", len(batches)) as advance:
+                    by_path, kv_amax = calibrate(
+                        model, batches, list(paths.values()), observer=observer, kv_cache=bool(kv_cache),
+                        progress=advance,
+                    )  # fmt: skip
+            except MixprecError as e:  # name an expert as the checkpoint does, and say why it saw nothing
+                unseen = [n for n, p in paths.items() if p != n and repr(p) in str(e)]
+                if not unseen:
+                    raise
+                raise MixprecError(
+                    f"calibration routed no token to MoE expert weight {unseen[0]!r}: use more --calib-samples, "
+                    "or keep it in high precision with --ignore"
+                ) from None
+            input_amax = {n: by_path[p] for n, p in paths.items()}
         n_tokens = sum(b.numel() for b in batches)
         calibration_info = {"data": str(calib_data), "samples": sum(len(b) for b in batches), "tokens": n_tokens,
                             "seq_len": int(batches[0].shape[1]), "observer": observer}  # fmt: skip
@@ -321,8 +289,13 @@ def quantize_checkpoint(
         write_index(tmp, weight_map, total)
         report.weight_bytes_after = total
         ignored_linears = sorted(skipped)
-        for name, why in skipped.items():
-            report.add_skipped(name, "Linear", 0, why)
+        for name, (kind, why) in kept.items():
+            info = ckpt.tensors.get(name) or ckpt.tensors.get(f"{name}.weight")
+            numel = info.nbytes // info.dtype.itemsize if info is not None else 0
+            role = {"Linear": "linear", "experts": "experts"}.get(
+                kind, "embedding" if name in lw.embeddings else "other"
+            )
+            report.add_skipped(name, kind, numel, why, role=role)
         out_cfg = dict(config)
         if format == "compressed-tensors":
             out_cfg["quantization_config"] = layouts.ct_quantization_config(
@@ -339,6 +312,51 @@ def quantize_checkpoint(
         )  # fmt: skip
         write_scales_file(tmp / "model.fp8_scales.json", doc)
     return report
+
+
+def _select(lw: LinearWeights, patterns: Sequence[str]) -> tuple[dict[str, tuple[int, int]], dict[str, str], dict[str, tuple[str, str]]]:  # fmt: skip
+    """(targets: Linears to quantize, skipped: the Linear modules a reader must leave alone (the
+    checkpoint's ignore list) with reasons, kept: every weight left in high precision -> (kind, reason))."""
+    targets: dict[str, tuple[int, int]] = {}
+    skipped: dict[str, str] = {}
+    kept: dict[str, tuple[str, str]] = {}
+    for name, (out_f, in_f) in lw.linears.items():
+        why = skip_reason(name, out_f, in_f, patterns)
+        if why:
+            skipped[name] = why
+            kept[name] = ("Linear", why)
+        else:
+            targets[name] = (out_f, in_f)
+    # tied heads: readers see the module, the checkpoint lacks its weight
+    for name, why in lw.unstored.items():
+        why = "ignored by pattern" if matches_any(name, patterns) else why
+        skipped[name] = why
+        kept[name] = ("Linear", why)
+    for name, what in lw.not_linear.items():
+        if not matches_any(name, patterns):
+            kept[name] = ("weight", f"{what}, not quantized")
+        elif name not in lw.embeddings:  # e.g. MoE routers: Linear layers to readers such as vLLM
+            skipped[name] = "ignored by pattern"
+            kept[name] = ("weight", "ignored by pattern")
+    for name in lw.fused_experts:
+        kept[name] = ("experts", "fused 3-D expert weights: mixprec quantizes per-expert 2-D weights only")
+    return targets, skipped, kept
+
+
+def _calibration_modules(model: Any, names: Sequence[str], lw: LinearWeights) -> dict[str, str]:
+    """{checkpoint name: module path in the loaded model} of the Linears whose inputs are observed;
+    fused experts are unfused first (experts.py) so that each expert's inputs can be seen."""
+    from mixprec.inference.experts import unfuse_for_calibration
+
+    paths = unfuse_for_calibration(model, lw.experts) if any(n in lw.experts for n in names) else {}
+    modules = dict(model.named_modules())
+    out = {}
+    for n in names:
+        path = paths.get(n, n)
+        if path not in modules:
+            raise MixprecError(f"calibration: the loaded model has no module {n!r} (a checkpoint name)")
+        out[n] = path
+    return out
 
 
 # Bytes of a tensor written unchanged that are read, checked and written at a time.

@@ -6,7 +6,7 @@
 What each recipe kind does to the model:
 - fp8 (fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8): parameters to bf16; every Linear
   the policy lets through becomes ``Fp8Linear`` (training-core's module, all three GEMMs in FP8); fused
-  3-D experts go through the grouped FP8 GEMM (training/grouped.py) or are reported skipped.
+  3-D experts get FP8 GEMMs per expert (training/grouped.py) or are reported skipped.
 - bf16: parameters to bf16 ("pure" bf16; pair with mixprec.optim.AdamW for fp32 master weights,
   fp32 gradient accumulation and bf16 moments).
 - bf16-amp / fp16-amp: fp32 parameters, the model's forward runs under torch.autocast (hooks on the

@@ -6,6 +6,10 @@ any Hugging Face checkpoint. Plain nn.Modules: ``model.safetensors`` with the st
 Only parameters and the model's own buffers are written, in the chosen dtype; the FP8 scaling state
 (amax histories, scales) that conversion added is not. ``mixprec_export.json`` records what was done.
 
+Parameters trained in bf16 with ``mixprec.optim.AdamW`` have their true values in the optimizer's fp32
+master copies (the bf16 parameter is their rounding). Pass ``optimizer=`` and an fp32 export writes
+the masters, not the bf16 parameters widened to fp32 (for a bf16 export both give the same bits).
+
 The directory is written beside its final place and renamed into it (atomic); an existing DIR is
 refused unless force=True.
 """
@@ -32,11 +36,30 @@ _DTYPES = {
 }
 
 
-def plain_state_dict(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+def master_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """{parameter name: fp32 master copy} for the parameters the optimizer keeps a master of (mixprec
+    AdamW's state["master"]); empty without an optimizer or for parameters that are their own master."""
+    if optimizer is None:
+        return {}
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise MixprecError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        master = optimizer.state.get(p, {}).get("master")
+        if master is not None:
+            out[name] = master.full_tensor() if hasattr(master, "full_tensor") else master  # FSDP2 shard
+    return out
+
+
+def plain_state_dict(
+    model: nn.Module, dtype: torch.dtype, masters: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The model's tensors under their original names, floating ones cast to `dtype`; FP8 state dropped.
 
+    masters: {name: tensor} written instead of the parameter of that name (see master_weights).
     Returns (state_dict, dropped keys). Modules replaced by conversion keep only their parameters.
     """
+    masters = masters or {}
     from mixprec.training.convert import conversion_state
 
     st = conversion_state(model)
@@ -55,7 +78,7 @@ def plain_state_dict(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, to
         if t.is_floating_point() and t.dtype.itemsize == 1:
             dropped.append(key)  # fp8 payloads cached by a layer: not part of the model
             continue
-        t = t.detach()
+        t = masters.get(key, t).detach()
         if t.is_floating_point():
             t = t.to(dtype)
         out[key] = t.to("cpu").contiguous()
@@ -73,9 +96,18 @@ def _converted_owner(key: str, converted: dict[str, set[str]]) -> str | None:
 
 
 def export_for_inference(
-    model: nn.Module, directory: str | os.PathLike, dtype: str = "bf16", *, force: bool = False
+    model: nn.Module,
+    directory: str | os.PathLike,
+    dtype: str = "bf16",
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write `model` to `directory` as a plain checkpoint (safetensors) in `dtype` ("bf16" or "fp32")."""
+    """Write `model` to `directory` as a plain checkpoint (safetensors) in `dtype` ("bf16" or "fp32").
+
+    optimizer: the training optimizer; parameters it keeps fp32 master copies of (mixprec.optim.AdamW
+    for bf16 parameters) are written from those masters.
+    """
     if not isinstance(model, nn.Module):
         raise MixprecError(f"export_for_inference needs a torch.nn.Module, got {type(model).__name__}")
     if dtype not in _DTYPES:
@@ -88,7 +120,9 @@ def export_for_inference(
         raise MixprecError(f"{target} exists and is not a directory")
     target.parent.mkdir(parents=True, exist_ok=True)
 
-    sd, dropped = plain_state_dict(model, torch_dtype)
+    masters = master_weights(model, optimizer)
+    sd, dropped = plain_state_dict(model, torch_dtype, masters)
+    written_from_masters = sorted(k for k in masters if k in sd)  # before saving: save_pretrained edits sd
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         if hasattr(model, "save_pretrained") and getattr(model, "config", None) is not None:
@@ -115,6 +149,7 @@ def export_for_inference(
             "trained_with": st.recipe_name if st is not None else None,
             "fp8_modules": sorted(st.converted) if st is not None else [],
             "dropped_keys": dropped,
+            "from_master_weights": written_from_masters,
         }
         (tmp / "mixprec_export.json").write_text(json.dumps(record, indent=2) + "\n")
         _replace_dir(tmp, target)

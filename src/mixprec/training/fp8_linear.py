@@ -269,12 +269,24 @@ class Fp8Linear(nn.Module):
             return torch.ones(1, 1, device=t2.device)
         if not self._delayed:
             return None
+        amax_now = None
         if self._recording:  # forwards without grad (evaluation) leave the training history alone
-            scaling_state.record_amax(self.amax_history, role, scaling_state.raw_amax(t2))
+            amax_now = scaling_state.raw_amax(t2)
+            scaling_state.record_amax(self.amax_history, role, amax_now)
         if not self._started:
             return None  # no history yet: this step's own amax (as current scaling)
+        return self._delayed_scale(role, t2, op, amax_now)
+
+    def _delayed_scale(
+        self, role: str, t2: torch.Tensor, op: OperandLayout, amax_now: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The role's scale from the history, or this tensor's own while the role has none yet (a new
+        tensor, [1, 1]: it is saved for backward, so never a view of the buffer)."""
         i = scaling_state.ROLE_INDEX[role]
-        return self.fp8_scale[i : i + 1].reshape(1, 1).clone()  # saved for backward: not a buffer view
+        if amax_now is None:
+            amax_now = scaling_state.raw_amax(t2)
+        stored = self.fp8_scale[i : i + 1]
+        return scaling_state.scale_or_current(stored, amax_now, op.fmt, self.recipe.margin).reshape(1, 1)
 
     def _quantize(
         self, role: str, t2: torch.Tensor, op: OperandLayout, observe: bool = True
@@ -341,8 +353,7 @@ class Fp8Linear(nn.Module):
         if self._unscaled:
             scale = torch.ones(1, 1, device=t2.device)
         elif self._delayed and self._started:
-            i = scaling_state.ROLE_INDEX[op.role]
-            scale = self.fp8_scale[i : i + 1].reshape(1, 1).clone()
+            scale = self._delayed_scale(op.role, t2, op)
         margin = self.recipe.margin if self._delayed else 0
         if not transpose:
             g = op.granularity.transposed()

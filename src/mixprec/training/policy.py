@@ -15,7 +15,7 @@ Roles are found by structure, not by names alone:
   identical expert blocks, or fused 3-D expert parameters [E, ...]), a direct child whose weight has E
   output rows. A dense MLP's ``gate_proj`` is therefore not a router.
 - *fused experts* are leaves with 3-D parameters [E, out, in] (transformers' MixtralExperts,
-  Qwen2MoeExperts): converted with the grouped FP8 GEMM when the recipe allows it, else reported skipped.
+  Qwen2MoeExperts): converted to per-expert FP8 GEMMs (GroupedFp8Experts) when the recipe allows it, else reported skipped.
 """
 
 from __future__ import annotations

@@ -3,14 +3,18 @@
 Layout (buffers of an Fp8Linear under DelayedScaling; saved in and restored from its state_dict):
     amax_history  fp32 [history_len, 3]  columns = roles (input, weight, grad_output); row 0 is the
                   CURRENT step, rows 1.. the finished steps, newest first
-    fp8_scale     fp32 [3]               the dequantization scale of each role used during this step
+    fp8_scale     fp32 [3]               the dequantization scale of each role used during this step;
+                                         0 while the role has never seen a usable amax (see below)
     scaling_step  int64 []               optimizer steps advanced so far (0: no history yet)
 
 During a step every forward records max(row 0, amax of x / W) and every backward max(row 0, amax of
 dY): the maximum over micro-batches, and idempotent, so a forward recomputed under activation
 checkpointing records nothing new and quantizes with the same scales (they change only in advance()).
 Before the first advance there is no history: the layer scales from the current amax, as current
-scaling would, and records it.
+scaling would, and records it. The same holds per role after it: a role whose scale was never set
+(0: every amax it recorded was 0, inf or NaN — an MoE expert that got no tokens, a layer skipped in
+the first steps) scales from the current amax until a step records a usable one, instead of from a
+placeholder scale that would flush its small values to zero (`scale_or_current`).
 
 advance() — call once per optimizer step (the training helpers and the Trainer callback do):
   1. a role whose amax this step is inf or NaN (an overflowing step) is recorded as 0 in the history,
@@ -37,7 +41,7 @@ ROLE_INDEX = {"input": 0, "weight": 1, "grad_output": 2}
 def new_buffers(history_len: int, device=None) -> dict[str, torch.Tensor]:
     return {
         "amax_history": torch.zeros(history_len, len(ROLE_INDEX), dtype=torch.float32, device=device),
-        "fp8_scale": torch.ones(len(ROLE_INDEX), dtype=torch.float32, device=device),
+        "fp8_scale": torch.zeros(len(ROLE_INDEX), dtype=torch.float32, device=device),  # 0: no scale yet
         "scaling_step": torch.zeros((), dtype=torch.int64, device=device),
     }
 
@@ -53,6 +57,16 @@ def record_amax(history: torch.Tensor, role: str, amax: torch.Tensor) -> None:
     """row 0 of the history <- max(row 0, amax) for one role (NaN propagates, the guard handles it)."""
     slot = history[0, ROLE_INDEX[role] : ROLE_INDEX[role] + 1]
     torch.maximum(slot, amax.reshape(1).to(slot.dtype), out=slot)
+
+
+def scale_or_current(
+    stored: torch.Tensor, amax_now: torch.Tensor, fmt: Format, margin: int = 0
+) -> torch.Tensor:
+    """The role's delayed scale, or, while it has none yet (0), the scale of this tensor's own amax.
+
+    Elementwise on the device (no host sync): stored and amax_now broadcast together.
+    """
+    return torch.where(stored > 0, stored, compute_scale(amax_now, fmt, margin).to(stored.device))
 
 
 @torch.no_grad()
@@ -103,4 +117,12 @@ def advance(model: nn.Module, *, reduce_amax: bool = True) -> int:
     return count
 
 
-__all__ = ["ROLE_INDEX", "advance", "advance_buffers", "new_buffers", "raw_amax", "record_amax"]
+__all__ = [
+    "ROLE_INDEX",
+    "advance",
+    "advance_buffers",
+    "new_buffers",
+    "raw_amax",
+    "record_amax",
+    "scale_or_current",
+]

@@ -1,0 +1,211 @@
+"""Checkpoints whose Linear weights are not simply `<module>.weight` of an nn.Linear: a tied output head
+(not stored; readers still see the module) and MoE experts (stored per expert, fused 3-D in the
+transformers 5 model). Each scheme's output loads in transformers and in mixprec with logits close
+to the original (the 12% / cosine 0.99 bound of test_quantize_checkpoint.py); nothing stays in high
+precision without the report saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from inference_helpers import VOCAB, rel_err, save_with_tokenizer, tiny_llama
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import mixprec
+from mixprec.errors import MixprecError
+from mixprec.inference import quantize_checkpoint
+from mixprec.inference.fp8_linear import FP8InferenceLinear
+
+transformers = pytest.importorskip("transformers")
+
+LOGIT_REL_BOUND = 0.12
+SCHEMES = ("fp8-dynamic", "fp8-static", "fp8-block")
+CALIB = dict(calib_samples=8, calib_seq_len=32)
+
+
+def _quantize(src: Path, out: Path, scheme: str, calib: Path, **kw):
+    if scheme == "fp8-static":
+        kw = {"calib_data": calib, **CALIB, **kw}
+    return quantize_checkpoint(src, out, scheme, progress=False, **kw)
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return out
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < LOGIT_REL_BOUND, rel_err(got, ref)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.99
+
+
+# ---- tied output head ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory) -> Path:
+    d = save_with_tokenizer(tiny_llama(tie_word_embeddings=True), tmp_path_factory.mktemp("tied") / "model")
+    assert "lm_head.weight" not in _tensors(d)  # what makes the case: the head's weight is not stored
+    return d
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_tied_head_is_ignored_and_loads_in_transformers(tied_dir, calib_file, input_ids, tmp_path, scheme):
+    pytest.importorskip("compressed_tensors")
+    report = _quantize(tied_dir, tmp_path / "q", scheme, calib_file)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"]
+    assert "lm_head" in report.skipped and len(report.converted) == 14
+    ref = transformers.LlamaForCausalLM.from_pretrained(tied_dir).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
+    mine = mixprec.load_quantized(tmp_path / "q")
+    assert not isinstance(mine.lm_head, FP8InferenceLinear)
+    with torch.no_grad():
+        expected = ref(input_ids).logits
+        _assert_close(hf(input_ids).logits, expected)
+        _assert_close(mine(input_ids).logits, expected)
+
+
+def test_tied_head_hf_fp8_not_converted(tied_dir, input_ids, tmp_path):
+    quantize_checkpoint(tied_dir, tmp_path / "q", "fp8-block", format="hf-fp8", progress=False)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] == ["lm_head"]
+    ref = transformers.LlamaForCausalLM.from_pretrained(tied_dir).eval()
+    with torch.no_grad():
+        expected = ref(input_ids).logits
+        _assert_close(mixprec.load_quantized(tmp_path / "q")(input_ids).logits, expected)
+        pytest.importorskip("accelerate")  # transformers' fp8 loader needs it
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
+        _assert_close(hf(input_ids).logits, expected)
+
+
+def test_tied_head_without_default_ignore_is_kept_and_said(tied_dir, tmp_path):
+    with pytest.warns(UserWarning, match="lm_head: weight tied to model.embed_tokens.weight"):
+        report = quantize_checkpoint(tied_dir, tmp_path / "q", default_ignore=False, progress=False)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in qc["ignore"]
+    assert report["lm_head"].precision.startswith("skipped: weight tied")
+
+
+# ---- MoE experts -----------------------------------------------------------------------------------
+
+
+def tiny_mixtral(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=128)  # fmt: skip
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+EXPERT = "model.layers.{}.block_sparse_moe.experts.{}.w{}"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    d = save_with_tokenizer(tiny_mixtral(), tmp_path_factory.mktemp("moe") / "model")
+    # what transformers 5 writes: one 2-D weight per expert, while its model holds them fused in 3-D
+    assert f"{EXPERT.format(0, 0, 1)}.weight" in _tensors(d)
+    return d
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_moe_experts_quantized_and_loaded(moe_dir, calib_file, input_ids, tmp_path, scheme):
+    report = _quantize(moe_dir, tmp_path / "q", scheme, calib_file)
+    experts = [EXPERT.format(i, e, w) for i in range(2) for e in range(4) for w in (1, 2, 3)]
+    assert set(experts) <= set(report.converted) and len(report.converted) == 24 + 8  # + q, k, v, o
+    tensors = _tensors(tmp_path / "q")
+    for name in experts:
+        assert tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn, name
+        assert f"{name}.weight_scale" in tensors
+        assert (f"{name}.input_scale" in tensors) == (scheme == "fp8-static")
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    routers = [f"model.layers.{i}.block_sparse_moe.gate" for i in range(2)]
+    assert qc["ignore"] == ["lm_head", *routers]  # the routers stay in high precision, as by default
+    assert all(tensors[f"{r}.weight"].dtype == torch.float32 for r in routers)
+    assert not [w for w in report.warnings if "high precision" in w]
+
+    model = mixprec.load_quantized(tmp_path / "q")
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8InferenceLinear)]
+    assert len(fp8) == 32
+    with torch.no_grad():
+        _assert_close(model(input_ids).logits, tiny_mixtral()(input_ids).logits)
+
+
+def test_moe_kv_cache_and_layer_by_layer(moe_dir, calib_file, tmp_path):
+    """KV-cache scales calibrate on the whole MoE model; layer-by-layer calibration, which fills blocks
+    by checkpoint name, refuses the renamed expert tensors with a clear error."""
+    quantize_checkpoint(moe_dir, tmp_path / "kv", "fp8-dynamic", kv_cache="fp8", calib_data=calib_file,
+                        progress=False, **CALIB)  # fmt: skip
+    assert "model.layers.1.self_attn.k_scale" in _tensors(tmp_path / "kv")
+    with pytest.raises(MixprecError, match=r"names 26 of them differently .*; pass --no-layer-by-layer"):
+        _quantize(moe_dir, tmp_path / "lbl", "fp8-static", calib_file, layer_by_layer=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
+
+
+def test_moe_ignored_experts_load_in_high_precision(moe_dir, input_ids, tmp_path):
+    report = quantize_checkpoint(moe_dir, tmp_path / "q", ignore=[r"re:.*experts\.0\."], progress=False)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert EXPERT.format(1, 0, 3) in qc["ignore"] and len(report.converted) == 32 - 6
+    model = mixprec.load_quantized(tmp_path / "q")
+    kept = model.model.layers[1].mlp.experts.projections.gate_up_proj[0][1]
+    assert type(kept) is torch.nn.Linear and kept.weight.dtype == torch.float32
+    with torch.no_grad():
+        _assert_close(model(input_ids).logits, tiny_mixtral()(input_ids).logits)
+
+
+def test_moe_expert_without_calibration_tokens_is_named(moe_dir, calib_file, tmp_path, monkeypatch):
+    from transformers.models.mixtral import modeling_mixtral
+
+    route = modeling_mixtral.MixtralTopKRouter.forward
+
+    def never_expert_3(self, hidden_states):
+        logits, scores, indices = route(self, hidden_states)
+        return logits, scores, torch.where(indices == 3, (indices + 1) % 3, indices)
+
+    monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", never_expert_3)
+    with pytest.raises(MixprecError, match=r"routed no token to MoE expert weight '.*experts\.3\.w1'"):
+        _quantize(moe_dir, tmp_path / "q", "fp8-static", calib_file)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unrecognised_expert_weights_are_reported_and_warned(moe_dir, tmp_path, monkeypatch):
+    """Without the conversion mapping nothing says the per-expert tensors are Linear weights: they stay in
+    high precision, but never silently."""
+    from mixprec.inference import linear_weights
+
+    monkeypatch.setattr(linear_weights, "conversion_transforms", lambda model: ([], []))
+    with pytest.warns(UserWarning, match=r"24 weight tensor\(s\) stay in high precision"):
+        report = quantize_checkpoint(moe_dir, tmp_path / "q", progress=False)
+    name = EXPERT.format(1, 3, 2)
+    assert name in report.skipped and "no module of the model has this name" in report[name].reason
+    assert len(report.converted) == 8
+
+
+def test_fused_expert_tensors_are_reported(tmp_path):
+    """A checkpoint stored in the fused layout (3-D gate_up_proj / down_proj) keeps them in high
+    precision, with a warning and a report entry for each."""
+    model = tiny_mixtral()
+    d = tmp_path / "fused"
+    model.config.architectures = ["MixtralForCausalLM"]
+    model.config.save_pretrained(d)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, d / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    with pytest.warns(UserWarning, match="fused 3-D expert weights"):
+        report = quantize_checkpoint(d, tmp_path / "q", progress=False)
+    fused = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")]
+    assert set(fused) <= set(report.skipped)
+    assert len(report.converted) == 8
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _assert_close(mixprec.load_quantized(tmp_path / "q")(ids).logits, model(ids).logits)
