@@ -37,7 +37,7 @@ def test_demo_runs_both_halves_and_reports(tmp_path):
         noise=False,
     )
     doc = json.loads((out / "demo.json").read_text())
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert set(doc["seconds"]) == {"training", "inference", "total"}
     html = (out / "report.html").read_text()
     assert "mixprec demo" in html and "Verdict" in html and "FP8 inference" in html

@@ -24,7 +24,7 @@ from pathlib import Path
 from mixprec.comparison import outdir
 from mixprec.comparison.config import DEFAULT_RECIPES, NOISE_SUFFIX, CompareConfig
 from mixprec.comparison.run import RunResult, RunSpec, train_run
-from mixprec.comparison.summary import SCHEMA_VERSION, ComparisonSummary, json_safe, summarize
+from mixprec.comparison.summary import METRICS_SCHEMA_VERSION, ComparisonSummary, json_safe, summarize
 from mixprec.errors import MixprecError
 
 
@@ -249,7 +249,7 @@ def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) 
     from mixprec.report import write_html_report, write_text_atomic
 
     outdir.write_jsonl(
-        out / "metrics.jsonl", [json_safe({"schema_version": SCHEMA_VERSION, **r}) for r in records]
+        out / "metrics.jsonl", [json_safe({"schema_version": METRICS_SCHEMA_VERSION, **r}) for r in records]
     )
     summary.out_dir = str(out)
     summary.report_path = str(out / "report.html")

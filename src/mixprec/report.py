@@ -164,7 +164,7 @@ body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0
 h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;font-size:.85em;margin:.6em 0}th,td{border:1px solid #ccc;padding:.25em .5em;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
-tr.pass td{background:#eef9ee}tr.fail td{background:#fdecec}tr.baseline td{background:#f4f6fb}
+tr.pass td{background:#eef9ee}tr.fail td{background:#fdecec}tr.inconclusive td{background:#fdf6e0}tr.baseline td{background:#f4f6fb}
 figure{margin:.8em 0}figcaption{font-size:.8em;color:#555}img{max-width:100%}
 p.note{font-size:.85em;color:#444}
 """

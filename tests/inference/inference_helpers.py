@@ -45,3 +45,14 @@ def load_original(directory: Path):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors shards, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return out

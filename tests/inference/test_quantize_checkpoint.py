@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import load_original, rel_err, tiny_llama
-from safetensors import safe_open
+from inference_helpers import load_original, read_tensors, rel_err, tiny_llama
 
 import mixprec
 from mixprec.inference import quantize_checkpoint
@@ -39,14 +38,6 @@ def _quantize(src: Path, out: Path, scheme: str, calib: Path, **kw):
 def quantized(llama_dir, calib_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     return {s: (_quantize(llama_dir, root / s, s, calib_file), root / s) for s in SCHEMES}
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
-    return out
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -90,7 +81,7 @@ def test_scales_file_matches_tensors(quantized):
         _, out = quantized[scheme]
         doc = read_scales_file(out / "model.fp8_scales.json")
         assert doc["schema_version"] == 1 and doc["scheme"] == scheme
-        tensors = _tensors(out)
+        tensors = read_tensors(out)
         assert len(doc["layers"]) == 14
         for name, entry in doc["layers"].items():
             stored = tensors[f"{name}.weight_scale"].float().flatten()
@@ -107,7 +98,7 @@ def test_scales_file_matches_tensors(quantized):
 
 def test_ignored_tensors_unchanged_and_side_files_copied(quantized, llama_dir):
     _, out = quantized["fp8-dynamic"]
-    src, dst = _tensors(llama_dir), _tensors(out)
+    src, dst = read_tensors(llama_dir), read_tensors(out)
     for name in (
         "model.embed_tokens.weight",
         "lm_head.weight",
@@ -167,7 +158,7 @@ def test_sharded_input_and_output(llama_dir, tmp_path, input_ids):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
-    assert set(index["weight_map"]) == set(_tensors(out))
+    assert set(index["weight_map"]) == set(read_tensors(out))
     q = mixprec.load_quantized(out)
     with torch.no_grad():
         assert rel_err(q(input_ids).logits, model(input_ids).logits) < LOGIT_REL_BOUND
@@ -193,7 +184,7 @@ def test_hf_fp8_format(llama_dir, tmp_path, input_ids):
         "weight_block_size": [128, 128],
         "modules_to_not_convert": ["lm_head"],
     }
-    tensors = _tensors(out)
+    tensors = read_tensors(out)
     assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
     mine = mixprec.load_quantized(out)
     with torch.no_grad():
@@ -209,7 +200,7 @@ def test_kv_cache_scales(llama_dir, calib_file, tmp_path):
     out = tmp_path / "kv"
     quantize_checkpoint(llama_dir, out, "fp8-dynamic", kv_cache="fp8", calib_data=calib_file, calib_samples=4,
                         calib_seq_len=32, progress=False)  # fmt: skip
-    tensors = _tensors(out)
+    tensors = read_tensors(out)
     doc = read_scales_file(out / "model.fp8_scales.json")
     for i in range(2):
         attn = f"model.layers.{i}.self_attn"

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import VOCAB, rel_err, save_with_tokenizer, tiny_llama
-from safetensors import safe_open
+from inference_helpers import VOCAB, read_tensors, rel_err, save_with_tokenizer, tiny_llama
 from safetensors.torch import save_file
 
 import mixprec
@@ -34,14 +33,6 @@ def _quantize(src: Path, out: Path, scheme: str, calib: Path, **kw):
     return quantize_checkpoint(src, out, scheme, progress=False, **kw)
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
-    return out
-
-
 def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.isfinite(got).all()
     assert rel_err(got, ref) < LOGIT_REL_BOUND, rel_err(got, ref)
@@ -54,7 +45,7 @@ def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory) -> Path:
     d = save_with_tokenizer(tiny_llama(tie_word_embeddings=True), tmp_path_factory.mktemp("tied") / "model")
-    assert "lm_head.weight" not in _tensors(d)  # what makes the case: the head's weight is not stored
+    assert "lm_head.weight" not in read_tensors(d)  # what makes the case: the head's weight is not stored
     return d
 
 
@@ -115,7 +106,7 @@ EXPERT = "model.layers.{}.block_sparse_moe.experts.{}.w{}"
 def moe_dir(tmp_path_factory) -> Path:
     d = save_with_tokenizer(tiny_mixtral(), tmp_path_factory.mktemp("moe") / "model")
     # what transformers 5 writes: one 2-D weight per expert, while its model holds them fused in 3-D
-    assert f"{EXPERT.format(0, 0, 1)}.weight" in _tensors(d)
+    assert f"{EXPERT.format(0, 0, 1)}.weight" in read_tensors(d)
     return d
 
 
@@ -124,7 +115,7 @@ def test_moe_experts_quantized_and_loaded(moe_dir, calib_file, input_ids, tmp_pa
     report = _quantize(moe_dir, tmp_path / "q", scheme, calib_file)
     experts = [EXPERT.format(i, e, w) for i in range(2) for e in range(4) for w in (1, 2, 3)]
     assert set(experts) <= set(report.converted) and len(report.converted) == 24 + 8  # + q, k, v, o
-    tensors = _tensors(tmp_path / "q")
+    tensors = read_tensors(tmp_path / "q")
     for name in experts:
         assert tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn, name
         assert f"{name}.weight_scale" in tensors
@@ -147,7 +138,7 @@ def test_moe_kv_cache_and_layer_by_layer(moe_dir, calib_file, tmp_path):
     by checkpoint name, refuses the renamed expert tensors with a clear error."""
     quantize_checkpoint(moe_dir, tmp_path / "kv", "fp8-dynamic", kv_cache="fp8", calib_data=calib_file,
                         progress=False, **CALIB)  # fmt: skip
-    assert "model.layers.1.self_attn.k_scale" in _tensors(tmp_path / "kv")
+    assert "model.layers.1.self_attn.k_scale" in read_tensors(tmp_path / "kv")
     with pytest.raises(MixprecError, match=r"names 26 of them differently .*; pass --no-layer-by-layer"):
         _quantize(moe_dir, tmp_path / "lbl", "fp8-static", calib_file, layer_by_layer=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]

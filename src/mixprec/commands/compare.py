@@ -67,6 +67,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest accepted gap for fp8 recipes (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-saturation",
+        default=str(DEFAULT_THRESHOLDS["saturation"]),
+        help="largest share of a tensor that may saturate before a gap within the noise counts as a "
+        "failure (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-underflow",
+        default=str(DEFAULT_THRESHOLDS["underflow"]),
+        help="the same for underflow (default: %(default)s)",
+    )
+    parser.add_argument(
         "--verdict-loss",
         choices=("val", "train"),
         default="train",
@@ -97,7 +108,12 @@ def config_from_args(args: argparse.Namespace, **overrides):
     settings = dict(
         recipes=recipes, steps=args.steps, eval_every=args.eval_every, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, seed=args.seed, baseline=args.baseline,
-        thresholds={"bf16": parse_fraction(args.threshold_bf16), "fp8": parse_fraction(args.threshold_fp8)},
+        thresholds={
+            "bf16": parse_fraction(args.threshold_bf16),
+            "fp8": parse_fraction(args.threshold_fp8),
+            "saturation": parse_fraction(args.max_saturation),
+            "underflow": parse_fraction(args.max_underflow),
+        },
         verdict_loss=args.verdict_loss, noise=not args.no_noise, monitor_every=args.monitor_every,
         model_dir=args.model, data=args.data, tokenizer=args.tokenizer, device=args.device,
     )  # fmt: skip
@@ -131,7 +147,7 @@ def print_summary(summary) -> None:
         return "–" if not p else f"{max(v['value'] for v in p.values()) * 100:.2f}%"
 
     for name, r in summary.recipes.items():
-        colour = {"pass": "green", "fail": "red"}.get(r.verdict, "blue")
+        colour = {"pass": "green", "fail": "red", "inconclusive": "yellow"}.get(r.verdict, "blue")
         noise = "–" if r.noise_train is None else f"{pct(r.noise_train)} / {pct(r.noise_val)}"
         table.add_row(name, r.baseline or "–", pct(r.train_gap), pct(r.val_gap), noise, peak(r.saturation_peak),
                       peak(r.underflow_peak), str(r.nan_events), f"[{colour}]{r.verdict}[/{colour}]")  # fmt: skip
@@ -139,8 +155,9 @@ def print_summary(summary) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
     for name, r in summary.recipes.items():
-        if r.verdict == "fail":
-            console.print(f"[red]{name}[/red]: " + "; ".join(r.reasons))
+        if r.verdict in ("fail", "inconclusive"):
+            colour = "red" if r.verdict == "fail" else "yellow"
+            console.print(f"[{colour}]{name}[/{colour}]: " + "; ".join(r.reasons))
     if summary.report_path:
         console.print(f"report: {summary.report_path}")
 

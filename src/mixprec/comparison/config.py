@@ -9,7 +9,10 @@ from pathlib import Path
 from mixprec.errors import MixprecError
 
 DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
-DEFAULT_THRESHOLDS = {"bf16": 0.001, "fp8": 0.0025}  # the guide's 0.1 %; DeepSeek-V3's 0.25 % (vs BF16)
+# Loss gaps: the guide's 0.1 % (16-bit vs fp32); DeepSeek-V3's 0.25 % (FP8 vs BF16). Precision
+# statistics: the largest share of a tensor that may saturate / underflow (peak over the run) before it
+# counts as evidence of a precision problem where the loss gap alone cannot tell (see summary._verdict).
+DEFAULT_THRESHOLDS = {"bf16": 0.001, "fp8": 0.0025, "saturation": 0.01, "underflow": 0.05}
 NOISE_SUFFIX = "~reorder"  # run name of a baseline re-run with only the data order changed
 VERDICT_LOSSES = ("val", "train")
 

@@ -32,7 +32,7 @@ DEMO_SETTINGS = dict(
     model_config={"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 4},
 )  # fmt: skip
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `passed` / `training_passed` count an "inconclusive" verdict as not failed
 
 
 def demo_config(steps: int | None = None, seed: int = 0, **overrides) -> CompareConfig:
