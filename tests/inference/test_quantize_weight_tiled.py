@@ -1,6 +1,6 @@
 """The tiled weight quantizer (schemes.quantize_weight) gives scaling.quantize's payloads and scales bit
 for bit, a relative error within 1e-5 (relative) of the float64 reference, and the name-only Linear
-recognition of streaming.LINEAR_BY_NAME_MODEL_TYPES agrees with the model built on the meta device."""
+recognition of linear_weights.LINEAR_BY_NAME_MODEL_TYPES agrees with the model built on the meta device."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_linear_by_name_agrees_with_meta_model(model_type):
     transformers = pytest.importorskip("transformers")
     from torch import nn
 
-    from mixprec.inference.streaming import _EMBEDDING, LINEAR_BY_NAME_MODEL_TYPES
+    from mixprec.inference.linear_weights import _EMBEDDING, LINEAR_BY_NAME_MODEL_TYPES
 
     assert model_type in LINEAR_BY_NAME_MODEL_TYPES
     cfg = transformers.AutoConfig.for_model(

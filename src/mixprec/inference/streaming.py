@@ -31,13 +31,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference import layouts
-from mixprec.inference.linear_weights import (  # noqa: F401 - _EMBEDDING, LINEAR_BY_NAME_MODEL_TYPES re-exported
-    _EMBEDDING,
-    FLOAT_DTYPES,
-    LINEAR_BY_NAME_MODEL_TYPES,
-    LinearWeights,
-    find_linear_weights,
-)
+from mixprec.inference.linear_weights import FLOAT_DTYPES, LinearWeights, find_linear_weights
 from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.safetensors_io import (
     Checkpoint,
