@@ -42,3 +42,33 @@ def test_forward_and_backward_compile_fullgraph(recipe):
     else:
         assert all(torch.equal(a, b) for a, b in zip(got, (ref, gx, gw)))
     torch._dynamo.reset()
+
+
+def test_delayed_scaling_after_an_advance_compiles_forward_and_backward():
+    """After an advance every role quantizes with a scale from the history, passed into the quantizer
+    (not computed there): torch.compile must be able to save it for backward (it once aliased the
+    caller's tensor, and the backward graph failed to build). Same results as eager."""
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layer = Fp8Linear(256, 128, recipe="fp8-delayed")
+        layer(torch.randn(4, 256)).sum().backward()  # step 1: records the amax history
+        layer.advance_scaling()
+        layer.weight.grad = None
+        layers.append(layer)
+    eager, compiled = layers
+    assert (eager.fp8_scale > 0).all()
+    x = torch.randn(4, 256) * 3  # larger than step 1's: the history scale saturates, as delayed scaling does
+    results = []
+    torch._dynamo.reset()
+    for layer, fn in (
+        (eager, eager),
+        (compiled, torch.compile(compiled, backend="aot_eager", fullgraph=True)),
+    ):
+        xi = x.clone().requires_grad_(True)
+        out = fn(xi)
+        out.sum().backward()
+        results.append((out, xi.grad, layer.weight.grad))
+    for a, b in zip(*results):  # scale tensor product instead of BLAS alpha: fp32 rounding only
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()

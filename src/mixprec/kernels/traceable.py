@@ -107,6 +107,8 @@ def quantize_traceable(
     if scale is None:
         scale = scale_from_amax(finite_block_amax(x2, g), fmt, g, margin, power_of_two)
     else:
-        scale = scale.float().reshape(grid)
+        # a copy, not the caller's tensor: the payload's scale is saved for backward, and torch.compile
+        # cannot save a tensor that aliases one made outside the autograd.Function's forward
+        scale = scale.float().reshape(grid).clone()
     data = cast_saturating(divide_by_scale(x2, scale, g), fmt)
     return QuantizedTensor(data, scale, fmt, g, x.shape)
