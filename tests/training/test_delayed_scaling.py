@@ -233,3 +233,16 @@ def test_gemms_after_an_advance_use_the_history_scales_and_saturate_like_the_ref
     ):
         want, mag = a @ b.t() + add, a.abs() @ b.abs().t() + abs(add)
         assert ((got.detach().double() - want).abs() <= 2e-6 * mag + 1e-30).all()
+
+
+def test_a_checkpoint_saved_before_the_first_advance_loads_without_a_scale():
+    """Checkpoints from before 0 meant "no scale yet" hold fp8_scale = 1 at scaling_step 0: loading one
+    must not turn that placeholder into a scale (it would flush a 1e-6 gradient to zero)."""
+    old = _layer(seed=4).state_dict()
+    old["fp8_scale"] = torch.ones(3)
+    layer, fresh = _layer(seed=4), _layer("fp8-current", seed=4)
+    layer.load_state_dict(old)
+    assert layer.fp8_scale.tolist() == [0.0, 0.0, 0.0]
+    x, x_cur = _micro_batch(layer, amp_dy=1e-6, seed=6), _micro_batch(fresh, amp_dy=1e-6, seed=6)
+    assert layer.weight.grad.abs().max() > 0
+    assert torch.equal(x.grad, x_cur.grad) and torch.equal(layer.weight.grad, fresh.weight.grad)

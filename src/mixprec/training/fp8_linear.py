@@ -207,7 +207,6 @@ class Fp8Linear(nn.Module):
         self._observer = None
         self._unscaled = isinstance(recipe, UnscaledFp8)
         self._delayed = bool(recipe.delayed)
-        self._started = False  # delayed scaling: has the state advanced at least once
         self._recording = True  # delayed scaling: record amax (off for forwards without grad)
         # the FP8 weight casts are cached while the weight is unchanged (micro-batches of one optimizer
         # step, activation-checkpointing recomputes): see _quantize_weight
@@ -273,15 +272,14 @@ class Fp8Linear(nn.Module):
         if self._recording:  # forwards without grad (evaluation) leave the training history alone
             amax_now = scaling_state.raw_amax(t2)
             scaling_state.record_amax(self.amax_history, role, amax_now)
-        if not self._started:
-            return None  # no history yet: this step's own amax (as current scaling)
         return self._delayed_scale(role, t2, op, amax_now)
 
     def _delayed_scale(
         self, role: str, t2: torch.Tensor, op: OperandLayout, amax_now: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The role's scale from the history, or this tensor's own while the role has none yet (a new
-        tensor, [1, 1]: it is saved for backward, so never a view of the buffer)."""
+        """The role's scale from the history, or this tensor's own (as current scaling) while the role has
+        none yet: before the first advance, or when it never recorded a usable amax (fp8_scale 0, see
+        scaling_state). A new tensor, [1, 1]: it is saved for backward, so never a view of the buffer."""
         i = scaling_state.ROLE_INDEX[role]
         if amax_now is None:
             amax_now = scaling_state.raw_amax(t2)
@@ -321,12 +319,12 @@ class Fp8Linear(nn.Module):
             q = compute()
         else:
             scale_key = None
-            if self._delayed and self._started:
+            if self._delayed:
                 i = scaling_state.ROLE_INDEX["weight"]
                 scale_key = self.fp8_scale[i : i + 1]  # a view: the buffer's storage and version
             margin = self.recipe.margin if self._delayed else 0
             recording = self._delayed and self._recording and not transposed
-            extra = (op.fmt.name, op.granularity, margin, op.power_of_two, self._started, recording)
+            extra = (op.fmt.name, op.granularity, margin, op.power_of_two, recording)
             q = cache_of(self).get(
                 "weight_t" if transposed else "weight",
                 weight,
@@ -352,7 +350,7 @@ class Fp8Linear(nn.Module):
         scale = None
         if self._unscaled:
             scale = torch.ones(1, 1, device=t2.device)
-        elif self._delayed and self._started:
+        elif self._delayed:
             scale = self._delayed_scale(op.role, t2, op)
         margin = self.recipe.margin if self._delayed else 0
         if not transpose:
@@ -377,7 +375,6 @@ class Fp8Linear(nn.Module):
         scaling_state.advance_buffers(
             self.amax_history, self.fp8_scale, self.scaling_step, r.formats(), r.margin, r.amax_compute_algo
         )
-        self._started = True
         return True
 
     def amax_tensors_for_reduction(self) -> list[torch.Tensor]:
@@ -388,8 +385,10 @@ class Fp8Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._weight_generation += 1
         cache_of(self).invalidate()
-        if self._delayed:
-            self._started = bool(self.scaling_step.item() > 0)
+        if self._delayed and int(self.scaling_step) == 0:
+            # checkpoints written before 0 meant "no scale yet" hold placeholder scales of 1 before the
+            # first advance: before an advance there is no scale
+            self.fp8_scale.zero_()
 
     # -- monitor observer protocol --------------------------------------------------------------------
 

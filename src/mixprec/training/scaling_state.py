@@ -10,11 +10,11 @@ Layout (buffers of an Fp8Linear under DelayedScaling; saved in and restored from
 During a step every forward records max(row 0, amax of x / W) and every backward max(row 0, amax of
 dY): the maximum over micro-batches, and idempotent, so a forward recomputed under activation
 checkpointing records nothing new and quantizes with the same scales (they change only in advance()).
-Before the first advance there is no history: the layer scales from the current amax, as current
-scaling would, and records it. The same holds per role after it: a role whose scale was never set
-(0: every amax it recorded was 0, inf or NaN — an MoE expert that got no tokens, a layer skipped in
-the first steps) scales from the current amax until a step records a usable one, instead of from a
-placeholder scale that would flush its small values to zero (`scale_or_current`).
+A role whose scale is 0 has none yet and scales from the current amax, as current scaling would
+(`scale_or_current`): every role before the first advance, and after it any role that never recorded
+a usable amax (every amax 0, inf or NaN — an MoE expert that got no tokens, a layer skipped in the
+first steps), until a step records one. A placeholder scale instead would flush its small values to
+zero.
 
 advance() — call once per optimizer step (the training helpers and the Trainer callback do):
   1. a role whose amax this step is inf or NaN (an overflowing step) is recorded as 0 in the history,
