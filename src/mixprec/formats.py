@@ -466,12 +466,21 @@ def decode_unscaled(payload: torch.Tensor, fmt: str | Format) -> tuple[torch.Ten
         bits = payload.view(torch.int8).to(torch.int16).bitwise_left_shift_(8)
         return bits.view(torch.float16).float(), 1.0
     if fast and fmt.name == "e4m3" and not _has_e4m3_nan(payload):
-        bits = payload.view(torch.int8).to(torch.int16)
-        bits.bitwise_left_shift_(7).bitwise_and_(-16385)  # -16385 is 0xBFFF as an int16: clears bit 14
-        return bits.view(torch.float16).float(), 256.0
+        out = torch.empty_like(payload, dtype=torch.float32)  # keeps a transposed view's layout
+        decode_e4m3_unscaled_into(payload, torch.empty_like(payload, dtype=torch.int16), out)
+        return out, 256.0
     if fmt.name in ("e4m3", "e5m2"):
         return payload.float(), 1.0
     return decode(payload, fmt), 1.0
+
+
+def decode_e4m3_unscaled_into(payload: torch.Tensor, i16: torch.Tensor, out: torch.Tensor) -> None:
+    """out = the E4M3 payload's values times 2^-8, exactly, through the int16 scratch `i16` (both of
+    the payload's shape): the vectorized bit trick of decode_unscaled, into buffers a caller reuses.
+    NaN codes are not decoded (callers check for them, or no NaN reaches them)."""
+    i16.copy_(payload.view(torch.int8))  # sign-extended
+    i16.bitwise_left_shift_(7).bitwise_and_(-16385)  # -16385 is 0xBFFF as an int16: clears bit 14
+    out.copy_(i16.view(torch.float16))
 
 
 def _has_e4m3_nan(payload: torch.Tensor) -> bool:

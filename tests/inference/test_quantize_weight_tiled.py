@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3
+from mixprec.formats import E4M3, decode_e4m3_unscaled_into
 from mixprec.inference import schemes
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.scaling import Granularity, quantize
@@ -60,7 +60,7 @@ def test_bit_identical_to_scaling_quantize(monkeypatch, tile, g, dtype):
 def test_payload_decode_is_exact_for_every_code():
     q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     out = torch.empty(256)
-    schemes._decode_e4m3_into(q, torch.empty(256, dtype=torch.int16), out)
+    decode_e4m3_unscaled_into(q, torch.empty(256, dtype=torch.int16), out)
     want = q.float()
     finite = ~want.isnan()
     assert torch.equal((out * 256)[finite].view(torch.int32), want[finite].view(torch.int32))

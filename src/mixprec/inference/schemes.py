@@ -17,7 +17,7 @@ import torch
 
 from mixprec import formats as _formats  # _formats._torch_cast_saturates: looked up at call time
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3, check_float_tensor
+from mixprec.formats import E4M3, check_float_tensor, decode_e4m3_unscaled_into
 from mixprec.scaling import Granularity, QuantizedTensor, _check_scale, block_amax, compute_scale, quantize
 
 # FP8 GEMM kernels want both GEMM dims to be multiples of 16; other Linears stay in high precision.
@@ -182,21 +182,6 @@ def _tile_shape(rows: int, cols: int, g: Granularity) -> tuple[int, int]:
     return min(rows, max(1, _TILE_ELEMENTS // max(cols, 1))), cols
 
 
-def _decode_e4m3_into(q: torch.Tensor, i16: torch.Tensor, out: torch.Tensor) -> None:
-    """out = E4M3 payload q as fp32 values / 256, exactly, in vectorized integer ops.
-
-    torch's own float8 -> float32 cast is scalar code (~15 ns per element here, more than everything
-    else together). Shifting the code s.eeee.mmm left by 7 as a sign-extended int16 and clearing bit 14
-    gives the fp16 s.0eeee.mmm0000000, whose value is the E4M3 value times 2^-8 (same mantissa, exponent
-    bias 15 instead of 7, subnormals included); fp16 -> fp32 is one vector instruction. The 2^8 is
-    folded into the scale by the caller. The NaN codes are not decoded (no NaN reaches this point).
-    """
-    i16.copy_(q.view(torch.int8))
-    i16.bitwise_left_shift_(7)
-    i16.bitwise_and_(-16385)  # 0xBFFF as an int16: drop the copy of the sign bit in bit 14
-    out.copy_(i16.view(torch.float16))
-
-
 def _expand_scale(s: torch.Tensor, height: int, width: int, g: Granularity) -> torch.Tensor:
     """A tile's scale grid broadcastable against the tile: [height or 1, width or 1]."""
     if s.shape[0] > 1 and g.block_rows not in (None, 1):
@@ -292,7 +277,7 @@ def quantize_weight(
             q.copy_(y)
             if not whole_rows:
                 data[r0 : r0 + h, c0 : c0 + wd].copy_(q)
-            _decode_e4m3_into(q, i16_buf[: h * wd].view(h, wd), y)
+            decode_e4m3_unscaled_into(q, i16_buf[: h * wd].view(h, wd), y)  # y = values * 2^-8
             torch.addcmul(x, y, s * 256.0, value=-1.0, out=y)  # W - deq(Q(W)) for this tile
             xv, yv = x.view(-1), y.view(-1)
             t_ref, t_err = float(torch.dot(xv, xv)), float(torch.dot(yv, yv))  # BLAS: 2x vector_norm
