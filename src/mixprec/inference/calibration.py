@@ -262,6 +262,16 @@ def _run(model: nn.Module, batches: Iterable[Any], progress: Any = None) -> None
                 progress()
 
 
+class NothingObserved(MixprecError):
+    """Calibration saw no nonzero input for a Linear; `module` names it (its path in the model)."""
+
+    def __init__(self, module: str):
+        super().__init__(
+            f"calibration never saw a nonzero input for {module!r}; is the calibration data empty?"
+        )
+        self.module = module
+
+
 def calibrate(
     model: nn.Module,
     batches: Iterable[Any],
@@ -303,7 +313,5 @@ def calibrate(
     amax = {n: o.amax() for n, o in observers.items()}
     for n, a in amax.items():
         if a == 0:
-            raise MixprecError(
-                f"calibration never saw a nonzero input for {n!r}; is the calibration data empty?"
-            )
+            raise NothingObserved(n)
     return amax, {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}

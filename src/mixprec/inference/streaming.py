@@ -198,7 +198,7 @@ def quantize_checkpoint(
     kv_amax: dict[int, tuple[float, float]] = {}
     calibration_info = None
     if sch.needs_calibration or kv_cache:
-        from mixprec.inference.calibration import calibrate, token_batches
+        from mixprec.inference.calibration import NothingObserved, calibrate, token_batches
 
         tok = _load_tokenizer(model_dir)
         batches = token_batches(texts, tok, calib_samples, calib_seq_len)
@@ -223,8 +223,8 @@ def quantize_checkpoint(
                         model, batches, list(paths.values()), observer=observer, kv_cache=bool(kv_cache),
                         progress=advance,
                     )  # fmt: skip
-            except MixprecError as e:  # name an expert as the checkpoint does, and say why it saw nothing
-                unseen = [n for n, p in paths.items() if p != n and repr(p) in str(e)]
+            except NothingObserved as e:  # an unfused expert: name it as the checkpoint does, and say why
+                unseen = [n for n, p in paths.items() if p == e.module and p != n]
                 if not unseen:
                     raise
                 raise MixprecError(
