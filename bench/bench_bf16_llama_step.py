@@ -35,7 +35,7 @@ def build(hidden: int, layers: int):
 
 def configs(hidden: int, layers: int):
     import mixprec
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     out = {}
     m = build(hidden, layers)
@@ -91,7 +91,7 @@ def main() -> None:
             times[k].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
-    from mixprec.hardware import detect
+    from mixprec.kernels.hardware import detect
 
     print(f"CPU {detect().cpu_model}; AVX-512-BF16/AMX: {detect().cpu_bf16_native}")
     print(

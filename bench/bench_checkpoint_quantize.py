@@ -141,11 +141,11 @@ COMPARE = textwrap.dedent(
     """
     import sys, json, torch
     import mixprec
-    from mixprec.inference.fp8_linear import FP8InferenceLinear
+    from mixprec.inference.linear import QuantizedLinear
     a, b = mixprec.load_quantized(sys.argv[1]), mixprec.load_quantized(sys.argv[2])
     same = total = 0; max_scale_rel = 0.0; n = 0
     for name, m in a.named_modules():
-        if isinstance(m, FP8InferenceLinear):
+        if isinstance(m, QuantizedLinear):
             o = b.get_submodule(name); n += 1
             same += int((m.weight.view(torch.uint8) == o.weight.view(torch.uint8)).sum()); total += m.weight.numel()
             max_scale_rel = max(max_scale_rel, float(((m.weight_scale - o.weight_scale).abs() / o.weight_scale).max()))

@@ -62,7 +62,7 @@ def linear_stack(layers: int, width: int, device: str = "cpu", seed: int = 0) ->
 
 
 def build(name: str, layers: int, width: int, device: str = "cpu") -> Setup:
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     model = linear_stack(layers, width, device)
     if name == "fp32":
@@ -179,7 +179,7 @@ def cpu_table(reps: int, layers: int, width: int, tokens: int, torchao: bool = T
 
 def optimizer_table(reps: int, layers: int, width: int) -> str:
     """The optimizer step alone (gradients given), interleaved: torch's fp32 AdamW vs mixprec AdamW."""
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     def make(name: str):
         dtype = torch.float32 if name.endswith("fp32 params") else torch.bfloat16
@@ -237,8 +237,8 @@ def gpu_table(reps: int, tokens: int = 8192, hidden: int = 4096, ffn: int = 1433
         return "GPU section skipped: no CUDA device."
 
     def mlp(name: str) -> Setup:
-        from mixprec.optim import AdamW
         from mixprec.training.fp8_linear import Fp8Linear
+        from mixprec.training.optim import AdamW
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)).cuda()
@@ -278,7 +278,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = 5 if args.quick else args.reps
-    from mixprec.hardware import describe_machine
+    from mixprec.kernels.hardware import describe_machine
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(

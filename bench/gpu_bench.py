@@ -366,7 +366,7 @@ def kernels_hook(enabled: bool):
             return ok, "" if ok else "no blockwise kernel (probe failed, no triton)"
         return orig_avail(a, b, out_dtype)
 
-    import mixprec.inference.fp8_linear as il
+    import mixprec.inference.linear as il
 
     saved_inference = il.quantize
     gemm.quantize_operand = fl.quantize_operand = il.quantize = native.quantize_fast

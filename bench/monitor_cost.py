@@ -17,8 +17,8 @@ import torch
 
 from mixprec.models import ReferenceModelConfig, build_reference_model, lm_loss
 from mixprec.monitor import PrecisionMonitor
-from mixprec.optim import AdamW
 from mixprec.training import advance_scaling_state, convert_for_training
+from mixprec.training.optim import AdamW
 
 
 def one_step(

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mixprec.cli import main
-from mixprec.compare import compare
 from mixprec.comparison.config import CompareConfig
 from mixprec.comparison.outdir import MARKER
+from mixprec.comparison.runner import compare
 from mixprec.comparison.summary import summarize
 from mixprec.errors import MixprecError
 
@@ -259,19 +259,19 @@ def test_a_gap_within_the_baselines_noise_is_inconclusive_unless_the_statistics_
         CompareConfig(recipes=cfg.recipes, thresholds={"saturation": -1}).validate()
 
 
-def test_library_entry_point_is_callable_after_submodule_import():
+def test_library_entry_point_is_the_comparison_function():
     import mixprec
-    import mixprec.compare as module
+    from mixprec.comparison.runner import compare
 
-    assert mixprec.compare is module or mixprec.compare is module.compare
+    assert mixprec.compare is compare
     with pytest.raises(MixprecError, match="steps"):
-        mixprec.compare(["fp32"], steps=0)  # the package attribute calls the function
+        mixprec.compare(["fp32"], steps=0)
 
 
 def test_resume_refuses_checkpoints_of_the_other_kind(tmp_path):
     """One process checkpoints into <run>.pt, torchrun ranks into <run>.dist/: resuming one kind with the
     other would silently start over, so it is refused (checked before any run starts)."""
-    from mixprec.compare import _check_checkpoint_kind
+    from mixprec.comparison.runner import _check_checkpoint_kind
 
     (tmp_path / "fp32.dist").mkdir()
     with pytest.raises(MixprecError, match=r"multi-rank checkpoints .*fp32\.dist.*torchrun"):

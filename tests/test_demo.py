@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mixprec.comparison.demo import DEMO_RECIPES, demo_config, run_demo
+from mixprec.demo import DEMO_RECIPES, demo_config, run_demo
 
 TINY_MODEL = {
     "hidden_size": 64,

@@ -11,7 +11,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, E5M2
 from mixprec.gemm import quantize_operand, quantize_transposed, scaled_mm, transpose_quantized
-from mixprec.hardware import detect
+from mixprec.kernels.hardware import detect
 from mixprec.scaling import Granularity, QuantizedTensor, quantize
 
 GRANULARITIES = [

@@ -28,11 +28,24 @@ _EXPORTS = {
     "load_quantized": "mixprec.inference:load_quantized",
     "quantize_model_": "mixprec.inference:quantize_model_",
     "quantize_checkpoint": "mixprec.inference:quantize_checkpoint",
-    "evaluate": "mixprec.inference.evaluate:evaluate",
+    "evaluate": "mixprec.evaluation.runner:evaluate",
     "Policy": "mixprec.training:Policy",
     "Rule": "mixprec.training:Rule",
-    "compare": "mixprec.compare:compare",
+    "compare": "mixprec.comparison.runner:compare",
+    "AdamW": "mixprec.training.optim:AdamW",
     "PrecisionMonitor": "mixprec.monitor:PrecisionMonitor",
+}
+
+# public module name -> where it lives (the namespace of `mixprec.<name>`, not an importable alias)
+_MODULES = {
+    "recipes": "mixprec.recipes",
+    "optim": "mixprec.training.optim",
+    "monitor": "mixprec.monitor",
+    "formats": "mixprec.formats",
+    "scaling": "mixprec.scaling",
+    "hardware": "mixprec.kernels.hardware",
+    "gemm": "mixprec.gemm",
+    "distributed": "mixprec.distributed",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -42,6 +55,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module, attr = _EXPORTS[name].split(":")
         return getattr(importlib.import_module(module), attr)
-    if name in ("recipes", "optim", "monitor", "formats", "scaling", "hardware", "gemm", "distributed"):
-        return importlib.import_module(f"mixprec.{name}")
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

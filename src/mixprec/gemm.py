@@ -16,7 +16,7 @@ Backends
 - "native": torch._scaled_mm (tensorwise, rowwise); 1x128 x 128x128 / 1x128 blocks on CUDA through
   mixprec.kernels.native (F.scaled_mm / torch._scaled_mm with the scale layout a probe found right on
   this device, else the Triton kernel; emulated when neither). MX: not wired up (emulated).
-- "auto": native on CUDA where mixprec.hardware.detect() and the blockwise probe say the device runs
+- "auto": native on CUDA where mixprec.kernels.hardware.detect() and the blockwise probe say the device runs
   them, else emulated. On CPU torch._scaled_mm works but is slower than the emulation (measured
   here: tensorwise with fp32 output is a reference loop, ~30x slower at 256³, ~250x at 512³;
   rowwise with bf16 output ~1.7x slower at 2048x1024x1024), so "auto" emulates on CPU; "native"
@@ -319,7 +319,7 @@ def _capabilities():
     """hardware.detect(), memoized here too: dynamo traces through functools.cache into the probes
     (os.stat, subprocesses), a graph break; a list lookup it reads as a constant. Warm up eagerly."""
     if not _CAPABILITIES:
-        from mixprec.hardware import detect
+        from mixprec.kernels.hardware import detect
 
         _CAPABILITIES.append(detect())
     return _CAPABILITIES[0]

@@ -15,8 +15,8 @@ SETTINGS = dict(
 
 def resume_fsdp2(rank: int, world: int, tmp: str) -> dict:
     """Interrupt after step 3 (last checkpoint: step 2), resume, and run uninterrupted into another folder."""
-    import mixprec.comparison.plots as plots
-    from mixprec.compare import compare
+    import mixprec.comparison.page as plots
+    from mixprec.comparison.runner import compare
     from mixprec.distributed import DataParallel
 
     plots.compare_sections = lambda summary, records: []  # the report's plots take seconds; tested elsewhere

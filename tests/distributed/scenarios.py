@@ -77,7 +77,7 @@ def train(model, optimizer, steps, dp, *, start: int = 0, hooks=None, dtype=torc
 
 def setup(recipe: str, strategy: str, lr: float = 2e-3, **options):
     from mixprec.distributed import DataParallel
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     dp = DataParallel(strategy, fsdp_options=options) if strategy == "fsdp2" else DataParallel(strategy)
     model = dp.wrap(build(recipe))
@@ -351,7 +351,7 @@ def scenario_plain_ddp(rank, world, tmp):
     from torch.nn.parallel import DistributedDataParallel
 
     from mixprec.distributed import DataParallel
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     model = DistributedDataParallel(build("fp8-delayed:history=16"))
     opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, accumulate_grads_fp32=False)
@@ -366,7 +366,7 @@ def scenario_plain_ddp_default_adamw(rank, world, tmp):
 
     from mixprec.distributed import DataParallel
     from mixprec.errors import MixprecError
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     model = DistributedDataParallel(build("fp8-delayed:history=16"))
     opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
@@ -382,8 +382,8 @@ def scenario_wrong_order(rank, world, tmp):
     """Converting after wrapping, and an optimizer built before FSDP2 sharding: clear errors."""
     from mixprec.distributed import DataParallel
     from mixprec.errors import MixprecError
-    from mixprec.optim import AdamW
     from mixprec.training import convert_for_training
+    from mixprec.training.optim import AdamW
 
     out = {}
     torch.manual_seed(0)
@@ -420,8 +420,8 @@ def single_process(recipe: str, steps: int, micro_batches: int = 1) -> list[floa
     micro_batches=k: the combined batch as k micro-batches of gradient accumulation (the rank shards of
     a k-rank run, in rank order), the loss of each divided by k, one optimizer step per global batch.
     """
-    from mixprec.optim import AdamW
     from mixprec.training import advance_scaling_state
+    from mixprec.training.optim import AdamW
 
     model = build(recipe)
     opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)

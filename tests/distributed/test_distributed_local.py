@@ -22,7 +22,7 @@ from mixprec.distributed import (
     world_size,
 )
 from mixprec.errors import MixprecError
-from mixprec.optim import AdamW
+from mixprec.training.optim import AdamW
 
 
 def test_helpers_without_a_process_group():
@@ -118,7 +118,7 @@ def test_fp8_all_gather_refuses_recipes_it_cannot_serve():
 
 
 def test_batch_must_split_over_ranks():
-    from mixprec.distributed.launch import check_batch
+    from mixprec.commands.torchrun import check_batch
 
     check_batch(8, 2)
     with pytest.raises(MixprecError, match="multiple of 2"):

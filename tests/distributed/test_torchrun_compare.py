@@ -40,7 +40,7 @@ def _torchrun() -> list[str]:
 def test_compare_under_torchrun(tmp_path, dp, steps):
     out = tmp_path / "out"
     cmd = [
-        *_torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "mixprec.distributed.launch", "compare",
+        *_torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "mixprec.commands.torchrun", "compare",
         "--recipes", "bf16,fp8-delayed", "--baseline", "bf16", "--steps", str(steps), "--batch-size", "4",
         "--seq-len", "32", "--no-noise", "--eval-every", "3", "--monitor-every", "3", "--no-progress",
         "--check-replicas", "--dp", dp, "--out", str(out), "--settings", json.dumps(SETTINGS),

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 import mixprec  # noqa: E402
-from mixprec.inference.fp8_linear import FP8InferenceLinear  # noqa: E402
+from mixprec.inference.linear import QuantizedLinear  # noqa: E402
 from mixprec.scaling import Granularity  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -95,7 +95,7 @@ def _check_fp8_linears(model: nn.Module, stored: dict, scale_name: str, granular
     """Every quantized Linear runs FP8 on exactly the stored payload and scales; lm_head stays bf16."""
     for name in LINEARS:
         layer = model.get_submodule(name)
-        assert isinstance(layer, FP8InferenceLinear), name
+        assert isinstance(layer, QuantizedLinear), name
         assert layer.weight.dtype == torch.float8_e4m3fn
         assert layer.weight_granularity == granularity
         assert torch.equal(_codes(layer.weight), _codes(stored[f"{name}.weight"])), name

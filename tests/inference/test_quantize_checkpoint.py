@@ -17,7 +17,7 @@ from inference_helpers import load_original, read_tensors, rel_err, tiny_llama
 
 import mixprec
 from mixprec.inference import quantize_checkpoint
-from mixprec.inference.fp8_linear import FP8InferenceLinear
+from mixprec.inference.linear import QuantizedLinear
 from mixprec.inference.scales_file import read_scales_file
 
 transformers = pytest.importorskip("transformers")
@@ -45,9 +45,9 @@ def test_load_quantized_logits_close(quantized, llama_dir, input_ids, scheme):
     report, out = quantized[scheme]
     model = mixprec.load_quantized(out)
     assert not model.training
-    fp8 = [m for m in model.modules() if isinstance(m, FP8InferenceLinear)]
+    fp8 = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(fp8) == 14 == len(report.converted)  # 7 Linears x 2 layers; lm_head kept
-    assert isinstance(model.lm_head, torch.nn.Linear) and not isinstance(model.lm_head, FP8InferenceLinear)
+    assert isinstance(model.lm_head, torch.nn.Linear) and not isinstance(model.lm_head, QuantizedLinear)
     with torch.no_grad():
         got = model(input_ids).logits
         ref = load_original(llama_dir)(input_ids).logits
@@ -71,7 +71,7 @@ def test_compressed_tensors_config_parses_and_transformers_loads(quantized, sche
         out, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)
     )
     for name, m in mine.named_modules():
-        if isinstance(m, FP8InferenceLinear):
+        if isinstance(m, QuantizedLinear):
             w = hf.get_submodule(name).weight.detach().float()
             assert torch.equal(w, m.dequantized_weight()), name
 
@@ -127,9 +127,9 @@ def test_online_equals_offline(quantized, llama_dir, calib_file, input_ids, sche
     report = mixprec.quantize_model_(online, scheme=scheme, calib_data=calib)
     assert report.weight_bytes_after < before and len(report.converted) == 14
     for name, m in offline.named_modules():
-        if isinstance(m, FP8InferenceLinear):
+        if isinstance(m, QuantizedLinear):
             o = online.get_submodule(name)
-            assert isinstance(o, FP8InferenceLinear)
+            assert isinstance(o, QuantizedLinear)
             assert torch.equal(o.weight.view(torch.uint8), m.weight.view(torch.uint8)), name
             assert torch.equal(o.weight_scale, m.weight_scale), name
             if scheme == "fp8-static":
@@ -192,7 +192,7 @@ def test_hf_fp8_format(llama_dir, tmp_path, input_ids):
     pytest.importorskip("accelerate")  # transformers' fp8 loader needs it; on CPU it dequantizes
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
     for name, m in mine.named_modules():
-        if isinstance(m, FP8InferenceLinear):
+        if isinstance(m, QuantizedLinear):
             assert torch.equal(hf.get_submodule(name).weight.detach().float(), m.dequantized_weight()), name
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import quantize_checkpoint
-from mixprec.inference.fp8_linear import FP8InferenceLinear
+from mixprec.inference.linear import QuantizedLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +60,7 @@ def test_tied_head_is_ignored_and_loads_in_transformers(tied_dir, calib_file, in
     ref = transformers.LlamaForCausalLM.from_pretrained(tied_dir).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     mine = mixprec.load_quantized(tmp_path / "q")
-    assert not isinstance(mine.lm_head, FP8InferenceLinear)
+    assert not isinstance(mine.lm_head, QuantizedLinear)
     with torch.no_grad():
         expected = ref(input_ids).logits
         _assert_close(hf(input_ids).logits, expected)
@@ -127,7 +127,7 @@ def test_moe_experts_quantized_and_loaded(moe_dir, calib_file, input_ids, tmp_pa
     assert not [w for w in report.warnings if "high precision" in w]
 
     model = mixprec.load_quantized(tmp_path / "q")
-    fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8InferenceLinear)]
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     assert len(fp8) == 32
     with torch.no_grad():
         _assert_close(model(input_ids).logits, tiny_mixtral()(input_ids).logits)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.kernels.weight_cache import cache_of, install_step_hook, invalidate_all
 from mixprec.scaling import Granularity, quantize
+from mixprec.training.weight_cache import cache_of, install_step_hook, invalidate_all
 
 
 def _layer_quantized_weight(layer: nn.Linear, step: int | None = None):

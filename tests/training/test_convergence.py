@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.optim import AdamW
 from mixprec.training import TrainingStep
+from mixprec.training.optim import AdamW
 
 transformers = pytest.importorskip("transformers")
 

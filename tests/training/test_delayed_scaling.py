@@ -140,7 +140,7 @@ def _train(model, opt, steps, start):
 def _optimizer(model, kind):
     if kind == "torch":
         return torch.optim.AdamW(model.parameters(), lr=1e-2)
-    from mixprec.optim import AdamW  # fp32 masters, bf16 moments with stochastic rounding
+    from mixprec.training.optim import AdamW  # fp32 masters, bf16 moments with stochastic rounding
 
     return AdamW(model.parameters(), lr=1e-2)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import mixprec
 from mixprec.errors import MixprecError
-from mixprec.optim import AdamW
+from mixprec.training.optim import AdamW
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.hardware import detect
+from mixprec.kernels.hardware import detect
 from mixprec.recipes import from_name
 from mixprec.scaling import quantization_snr_db, quantize
 from mixprec.training.fp8_linear import Fp8Linear
@@ -257,8 +257,8 @@ def _micro_batches(layer, xs, dy):
 
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-rowwise", "fp8-blockwise"])
 def test_weight_cast_cached_across_micro_batches_bit_identical(gen, recipe):
-    from mixprec.kernels.weight_cache import cache_of
     from mixprec.training.scaling_state import advance
+    from mixprec.training.weight_cache import cache_of
 
     lin = _gaussian_linear(gen, 256, 128)
     xs = [torch.randn(16, 256, generator=gen) for _ in range(3)]
@@ -291,7 +291,7 @@ def _copy(lin):
 def test_weight_cast_cache_invalidation(gen):
     """Writes the parameter version misses (.data, fused AdamW) are caught by the optimizer-step count
     and by advance_scaling(); a delayed-scaling scale change invalidates; other weights are not cached."""
-    from mixprec.kernels.weight_cache import cache_of
+    from mixprec.training.weight_cache import cache_of
 
     layer = Fp8Linear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-current")
     x = torch.randn(8, 64, generator=gen)

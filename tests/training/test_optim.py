@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.optim import AdamW, bytes_per_parameter, memory_table
-from mixprec.stochastic_rounding import (
+from mixprec.rounding import (
     NoiseStream,
     flat_indices,
     hash32,
@@ -16,6 +15,7 @@ from mixprec.stochastic_rounding import (
     stochastic_round,
     stochastic_round_pair_into,
 )
+from mixprec.training.optim import AdamW, bytes_per_parameter, memory_table
 
 
 def _model(dtype=torch.float32, seed=0):
@@ -233,7 +233,7 @@ def test_fp32_matches_torch_foreach_adamw_exactly_with_uneven_steps():
 
 
 def test_stochastic_round_pair_into_gives_the_reference_bits(monkeypatch):
-    monkeypatch.setattr("mixprec.stochastic_rounding.CHUNK", 700)  # several chunks, a ragged last one
+    monkeypatch.setattr("mixprec.rounding.CHUNK", 700)  # several chunks, a ragged last one
     x = torch.randn(3, 1000) * torch.logspace(-30, 30, 1000)
     y = torch.randn(3, 1000)
     x[0, :4] = torch.tensor([float("inf"), float("nan"), 3.3e38, 0.0])  # rare path: RNE there

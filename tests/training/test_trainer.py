@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.optim import AdamW
 from mixprec.training import MixprecTrainerCallback
+from mixprec.training.optim import AdamW
 
 transformers = pytest.importorskip("transformers")
 

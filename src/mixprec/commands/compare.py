@@ -165,8 +165,8 @@ def print_summary(summary) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mixprec.compare import compare
     from mixprec.comparison.outdir import stored_config
+    from mixprec.comparison.runner import compare
 
     config = config_from_args(args)
     if args.resume and args.out:

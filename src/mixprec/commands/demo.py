@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mixprec.commands.compare import print_summary
-    from mixprec.comparison.demo import run_demo
+    from mixprec.demo import run_demo
 
     result = run_demo(args.out, force=args.force, progress=not args.no_progress, steps=args.steps)
     print_summary(result.training)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mixprec.hardware import detect, recommendation
+from mixprec.kernels.hardware import detect, recommendation
 
 NAME = "doctor"
 HELP = "report native BF16/FP8 support on this machine and the recipe and kernels mixprec would choose"

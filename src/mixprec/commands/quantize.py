@@ -14,8 +14,8 @@ HELP = "quantize a local Hugging Face safetensors checkpoint to FP8 (compressed-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mixprec.inference.calibration import OBSERVERS
     from mixprec.inference.layouts import LAYOUTS
+    from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE
     from mixprec.inference.schemes import SCHEMES
-    from mixprec.inference.streaming import DEFAULT_MAX_SHARD_SIZE
 
     parser.add_argument("--model", required=True, help="input model directory (config.json + safetensors)")
     parser.add_argument(
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.formats import E4M3, get_format
-    from mixprec.inference.streaming import quantize_checkpoint
+    from mixprec.inference.offline import quantize_checkpoint
 
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")

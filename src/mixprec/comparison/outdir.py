@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mixprec.comparison.config import CompareConfig
 from mixprec.errors import MixprecError
-from mixprec.report import write_text_atomic
+from mixprec.pages import write_text_atomic
 
 MARKER = "INCOMPLETE.json"
 CHECKPOINTS = "checkpoints"

@@ -1,6 +1,6 @@
 """mixprec under torch.distributed: DDP and FSDP2 (fully_shard), launched with torchrun.
 
-    torchrun --nproc-per-node 2 -m mixprec.distributed.launch compare --recipes bf16,fp8-delayed --out runs/c
+    torchrun --nproc-per-node 2 -m mixprec.commands.torchrun compare --recipes bf16,fp8-delayed --out runs/c
 
 Pieces (each usable alone):
 - world: rank / world size / init_from_env / shard_batch / mean_across_ranks (no-ops in one process)

@@ -149,7 +149,7 @@ def stochastic_round_dtensor(x, dtype: torch.dtype, key: int | None, lane: int):
     get (the noise is a hash of each element's global index), so sharded == unsharded rounding."""
     from torch.distributed.tensor import DTensor
 
-    from mixprec.stochastic_rounding import flat_indices, stochastic_round
+    from mixprec.rounding import flat_indices, stochastic_round
 
     local = x.to_local()
     if key is None or dtype != torch.bfloat16:
@@ -167,7 +167,7 @@ def adapt_optimizer(optimizer: Any) -> Any:
 
     Patches this optimizer instance's moment rounding (see the module docstring). Returns `optimizer`.
     """
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     if not isinstance(optimizer, AdamW) or getattr(optimizer, "_mixprec_dtensor_rounding", False):
         return optimizer

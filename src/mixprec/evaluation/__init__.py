@@ -1,6 +1,6 @@
 """Verification of a quantized model against its reference: quality, memory and speed, with gates.
 
-Public entry: :func:`evaluate` (also importable as ``mixprec.inference.evaluate.evaluate``).
+Public entry: :func:`evaluate` (also importable as ``mixprec.evaluation.runner.evaluate``).
 """
 
 from mixprec.evaluation.gates import GateResult, Gates, parse_memory_saving

@@ -152,7 +152,7 @@ def install_low_precision_hooks(side: Side) -> None:
         return
     side.info["bf16_compute"] = "native bf16 kernels"
     try:
-        from mixprec.hardware import detect
+        from mixprec.kernels.hardware import detect
         from mixprec.training import bf16_cpu
     except ImportError:
         return

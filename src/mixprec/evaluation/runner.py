@@ -79,7 +79,7 @@ def _progress(enabled: bool):
 
 
 def _machine(device: torch.device) -> dict:
-    from mixprec.hardware import describe_machine, detect
+    from mixprec.kernels.hardware import describe_machine, detect
 
     caps = detect()
     return {
@@ -259,7 +259,7 @@ def _count(name: str, blocks, docs: list[str], samples: int) -> int:
 
 
 def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
-    from mixprec.evaluation.report import write_report as _write
+    from mixprec.evaluation.page import write_report as _write
 
     return _write(result, out_dir)
 

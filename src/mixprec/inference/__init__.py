@@ -16,11 +16,11 @@ from typing import Any
 _EXPORTS = {
     "load_quantized": "mixprec.inference.load:load_quantized",
     "quantize_model_": "mixprec.inference.online:quantize_model_",
-    "quantize_checkpoint": "mixprec.inference.streaming:quantize_checkpoint",
+    "quantize_checkpoint": "mixprec.inference.offline:quantize_checkpoint",
     "InferenceScheme": "mixprec.inference.schemes:InferenceScheme",
     "SCHEMES": "mixprec.inference.schemes:SCHEMES",
     "DEFAULT_IGNORE": "mixprec.inference.schemes:DEFAULT_IGNORE",
-    "FP8InferenceLinear": "mixprec.inference.fp8_linear:FP8InferenceLinear",
+    "QuantizedLinear": "mixprec.inference.linear:QuantizedLinear",
     "QuantizationReport": "mixprec.inference.quant_report:QuantizationReport",
     "read_scales_file": "mixprec.inference.scales_file:read_scales_file",
     "calibrate": "mixprec.inference.calibration:calibrate",

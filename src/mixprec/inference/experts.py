@@ -4,7 +4,7 @@ transformers 5 holds a layer's experts as fused 3-D parameters (`gate_up_proj` [
 hidden], `down_proj` [experts, hidden, inter]) behind the `use_experts_implementation` contract;
 checkpoints (and vLLM) keep one 2-D weight per expert (`experts.0.w1.weight`, see linear_weights.py).
 `UnfusedExperts` runs that contract's eager forward over one module per expert and checkpoint weight
-(an nn.Linear for calibration or a high-precision weight, an FP8InferenceLinear for FP8): the pieces
+(an nn.Linear for calibration or a high-precision weight, an QuantizedLinear for FP8): the pieces
 of a fused row block (w1 and w3 of `gate_up_proj`) stay separate Linears whose outputs are
 concatenated, which equals the fused product exactly and lets each keep its own scales.
 """

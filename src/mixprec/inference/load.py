@@ -2,7 +2,7 @@
 
 Reads the layouts of mixprec, llm-compressor (compressed-tensors, float-quantized) and Hugging Face
 `quant_method: "fp8"`. The model skeleton is built from config.json with its parameters on the meta
-device (buffers such as rotary tables stay real), quantized Linears are swapped for FP8InferenceLinear
+device (buffers such as rotary tables stay real), quantized Linears are swapped for QuantizedLinear
 built from the stored payload and scales, and the other tensors are assigned as stored.
 
 Missing scales: a weight scale comes from the checkpoint, else the scales file
@@ -26,8 +26,8 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.experts import unfuse_skeleton
-from mixprec.inference.fp8_linear import FP8InferenceLinear
 from mixprec.inference.layouts import LayoutSpec, ModuleLayout, parse_quantization_config
+from mixprec.inference.linear import QuantizedLinear
 from mixprec.inference.linear_weights import conversion_transforms, rename_key
 from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
@@ -274,7 +274,7 @@ def load_quantized(
         bias = tensors.pop(f"{name}.bias", None)
         if bias is None and mod.bias is not None:
             raise MixprecError(f"{root}: {name}.bias is missing from the checkpoint")
-        new = FP8InferenceLinear(q, bias, sch, input_scale=in_scale, out_dtype=dtype)
+        new = QuantizedLinear(q, bias, sch, input_scale=in_scale, out_dtype=dtype)
         if in_scale is None and not ml.input_dynamic:
             new.scheme = InferenceScheme(sch.name, sch.weight_granularity, sch.input_granularity, True)
         _set_submodule(model, path, new)
@@ -284,7 +284,7 @@ def load_quantized(
             input_dynamic=in_scale is None, input_granularity=new.input_granularity.name,
         )  # fmt: skip
         entry["weight"]["scale_source"] = source or "recomputed"
-        report.add_fp8(name, "Linear", w.numel(), entry, "FP8InferenceLinear")
+        report.add_fp8(name, "Linear", w.numel(), entry, "QuantizedLinear")
 
     tensors = {renamed.get(k, k): t for k, t in tensors.items()}
     # KV-cache scales: kept as buffers on their attention modules (used by FP8 KV-cache engines)

@@ -16,7 +16,7 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration import calibrate, load_texts, token_batches
-from mixprec.inference.fp8_linear import FP8InferenceLinear
+from mixprec.inference.linear import QuantizedLinear
 from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.scales_file import layer_entry
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
@@ -29,7 +29,7 @@ def linear_targets(
     """(names of Linears to quantize, {skipped Linear name: reason})."""
     targets, skipped = [], {}
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and not isinstance(m, FP8InferenceLinear):
+        if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear):
             why = skip_reason(name, m.out_features, m.in_features, ignore)
             if why is None and m.weight.device.type == "meta":
                 why = "weight on the meta device"
@@ -133,7 +133,7 @@ def quantize_model_(
             else:
                 in_amax = input_amax[name]
                 in_scale = compute_scale(in_amax, E4M3).reshape(1)
-        new = FP8InferenceLinear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
+        new = QuantizedLinear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
         new.train(False)
         _set_submodule(model, name, new)
         modules[name] = new
@@ -143,7 +143,7 @@ def quantize_model_(
             input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
             input_granularity=sch.input_granularity.name,
         )  # fmt: skip
-        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, "FP8InferenceLinear")
+        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, "QuantizedLinear")
         del lin
     for name, why in skipped.items():
         m = modules[name]

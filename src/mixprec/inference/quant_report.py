@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixprec.training.report import ConversionReport, ModuleEntry
+from mixprec.conversion import ConversionReport, ModuleEntry
 
 __all__ = ["ModuleEntry", "QuantizationReport"]
 

@@ -1,4 +1,4 @@
-"""Fast paths for FP8 on GPUs: fused quantization, native/Triton GEMMs, torch.compile, weight-cast cache.
+"""Fast paths for FP8 on GPUs: fused quantization, native/Triton GEMMs, torch.compile, capability detection.
 
 Everything here imports on a CPU-only machine without triton. The Triton modules
 (`triton_quant`, `triton_blockwise_gemm`) import triton themselves: reach them through
@@ -15,14 +15,9 @@ from mixprec.kernels.native import (
     quantize_fast,
     triton_version,
 )
-from mixprec.kernels.weight_cache import WeightCastCache, cache_of, install_step_hook, invalidate_all
 
 __all__ = [
-    "WeightCastCache",
     "blockwise_backend",
-    "cache_of",
-    "install_step_hook",
-    "invalidate_all",
     "native_gemm",
     "native_kernel_report",
     "quantize_fast",

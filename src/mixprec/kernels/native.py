@@ -203,7 +203,7 @@ def _select(device: torch.device | str, b_rows: int) -> tuple[str, str | None, s
     if torch.device(device).type != "cuda":
         choice = ("emulated", None, None, False)
     else:
-        from mixprec.hardware import detect
+        from mixprec.kernels.hardware import detect
 
         if not detect().fp8_native:
             choice = ("emulated", None, None, False)
@@ -390,7 +390,7 @@ def native_kernel_report(device: torch.device | str | None = None) -> dict:
     {"schema_version", "device", "triton", "gemm": {kind: {"backend", "native", "note"}},
      "quantize": {...}, "compile": {...}}. Probes run once per process (a few small GEMMs on CUDA).
     """
-    from mixprec.hardware import detect
+    from mixprec.kernels.hardware import detect
 
     caps = detect()
     if device is None:

@@ -17,7 +17,7 @@ which is slightly more accurate than the GPU result (documented, not hidden).
 The mode is a TorchFunctionMode, pushed by forward pre-hooks on every module of the converted model
 and popped by the matching forward hooks (always_call), so a forward recomputed under activation
 checkpointing (inside backward) runs with it too. On CUDA nothing is installed: GPU bf16 GEMMs are native.
-Nor on CPUs with AVX-512-BF16 / AMX (detected by mixprec.hardware): there native bf16 GEMMs are the
+Nor on CPUs with AVX-512-BF16 / AMX (detected by mixprec.kernels.hardware): there native bf16 GEMMs are the
 fast path (see should_install); ``convert_for_training(..., cpu_bf16_gemm="fp32")`` forces this path.
 """
 
@@ -170,8 +170,8 @@ def install(model: nn.Module) -> Installed:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AVX-512-BF16 or AMX: native bf16 GEMMs are fast on this CPU (mixprec.hardware.detect())."""
-    from mixprec.hardware import detect
+    """AVX-512-BF16 or AMX: native bf16 GEMMs are fast on this CPU (mixprec.kernels.hardware.detect())."""
+    from mixprec.kernels.hardware import detect
 
     return detect().cpu_bf16_native
 

@@ -43,7 +43,7 @@ class MixprecTrainerCallback(TrainerCallback):
         self._advanced_at: int | None = None
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        from mixprec.optim import AdamW
+        from mixprec.training.optim import AdamW
 
         opt = _unwrap_optimizer(optimizer)
         if self.clip_fp32_grads and isinstance(opt, AdamW) and args.max_grad_norm and args.max_grad_norm > 0:

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.conversion import ConversionReport, ModuleEntry
 from mixprec.errors import MixprecError
 from mixprec.training import bf16_cpu
 from mixprec.training.policy import Decision, Policy, decide
-from mixprec.training.report import ConversionReport, ModuleEntry
 
 _KIND_BY_CLASS = {
     "Fp32Recipe": "fp32",

@@ -36,10 +36,10 @@ from mixprec.gemm import (
     will_emulate,
     with_decoded,
 )
-from mixprec.kernels.weight_cache import cache_of
 from mixprec.recipes import GEMMS, Fp8Recipe, GemmLayout, OperandLayout, UnscaledFp8, from_name
 from mixprec.scaling import Granularity, QuantizedTensor
 from mixprec.training import scaling_state
+from mixprec.training.weight_cache import cache_of
 
 
 def _transposable(g: Granularity) -> bool:
@@ -304,7 +304,7 @@ class Fp8Linear(nn.Module):
         """W for the forward GEMM, or Wᵀ re-quantized for grad_input (transposed=True), reused from the
         layer's weight-cast cache while the parameter is provably unchanged.
 
-        The cache key (mixprec.kernels.weight_cache) holds the parameter's storage and _version, any
+        The cache key (mixprec.training.weight_cache) holds the parameter's storage and _version, any
         torch optimizer step in the process, this layer's _weight_generation (advance_scaling, once per
         optimizer step), the delayed-scaling scale buffer's version, and everything else the cast
         depends on. Delayed scaling records the weight's amax at the first cast of a step (recording

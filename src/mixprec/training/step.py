@@ -65,7 +65,7 @@ def make_grad_scaler(model_or_recipe: Any = None, device: str | None = None) -> 
 
 def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     """Clip the gradients the optimizer will use (mixprec AdamW's fp32 buffers, else the params' .grad)."""
-    from mixprec.optim import AdamW
+    from mixprec.training.optim import AdamW
 
     if isinstance(optimizer, AdamW):
         return optimizer.clip_grad_norm_(max_norm)

@@ -4,10 +4,10 @@
    Llama on the Python standard library sources (`mixprec.compare`), keeping the bf16-trained model.
 2. inference_step: that model exported (mixprec.training.export_for_inference), quantized to FP8
    (mixprec.inference.quantize_checkpoint, scheme fp8-dynamic) and evaluated against its bf16 self on
-   held-out text (mixprec.inference.evaluate.evaluate, task "lm"); the figures join the report.
+   held-out text (mixprec.evaluation.runner.evaluate, task "lm"); the figures join the report.
 
 Sized to finish in under 5 minutes on a 2-core CPU (see docs/compare.md for the measured time).
-Speed gates apply only where native FP8 kernels run (mixprec.hardware.detect()); on CPU the speed
+Speed gates apply only where native FP8 kernels run (mixprec.kernels.hardware.detect()); on CPU the speed
 ratios are reported, not gated.
 """
 
@@ -62,7 +62,7 @@ class DemoResult:
 
 
 def training_step(out: Path, config: CompareConfig, *, force: bool, progress: bool):
-    from mixprec.compare import compare
+    from mixprec.comparison.runner import compare
 
     return compare(config=config, out=out, force=force, progress=progress, keep_models=(DEMO_MODEL,))
 
@@ -81,13 +81,13 @@ def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool)
     """Export the trained model, quantize it to FP8, evaluate it; returns figures and the section HTML.
 
     Needs mixprec.training.export_for_inference, mixprec.inference.quantize_checkpoint and
-    mixprec.inference.evaluate.evaluate (issues 3, 5, 6).
+    mixprec.evaluation.runner.evaluate (issues 3, 5, 6).
     """
     from mixprec.data import save_tokenizer
     from mixprec.evaluation import Gates
-    from mixprec.hardware import detect
+    from mixprec.evaluation.runner import evaluate, write_report
     from mixprec.inference import quantize_checkpoint
-    from mixprec.inference.evaluate import evaluate, write_report
+    from mixprec.kernels.hardware import detect
     from mixprec.training import export_for_inference
 
     model = summary.trained_models.get(DEMO_MODEL)
@@ -136,7 +136,7 @@ def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool)
 
 
 def inference_section(info: dict):
-    from mixprec.report import Section, paragraph, table_html
+    from mixprec.pages import Section, paragraph, table_html
 
     if info.get("status") != "done":
         return Section("FP8 inference", html=paragraph(f"Not run: {info.get('reason', 'unknown')}"))
@@ -172,8 +172,8 @@ def _fmt(v) -> str:
 
 def run_demo(out: str | os.PathLike = "mixprec-demo", *, force: bool = False, progress: bool = True,
              steps: int | None = None, inference: bool = True, **overrides) -> DemoResult:  # fmt: skip
-    from mixprec.comparison.plots import compare_sections
-    from mixprec.report import write_html_report, write_text_atomic
+    from mixprec.comparison.page import compare_sections
+    from mixprec.pages import write_html_report, write_text_atomic
 
     out = Path(out)
     config = demo_config(steps, **overrides)

@@ -1,8 +1,8 @@
 """torchrun entry point for mixprec's training commands.
 
-    torchrun --nproc-per-node 2 -m mixprec.distributed.launch compare --recipes bf16,fp8-delayed --out runs/c
+    torchrun --nproc-per-node 2 -m mixprec.commands.torchrun compare --recipes bf16,fp8-delayed --out runs/c
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-             --rdzv-id job1 -m mixprec.distributed.launch compare ...
+             --rdzv-id job1 -m mixprec.commands.torchrun compare ...
 
 Every rank runs the same comparison with the same seed; each takes its slice of every global batch
 (--batch-size must divide by the world size), gradients are averaged (DDP by default, --dp fsdp2 for
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mixprec.commands import compare as compare_cmd
 
     parser = argparse.ArgumentParser(
-        prog="torchrun ... -m mixprec.distributed.launch",
+        prog="torchrun ... -m mixprec.commands.torchrun",
         description="mixprec commands under torchrun (data parallel over every rank of the job)",
     )
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
@@ -59,9 +59,9 @@ def run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mixprec.commands.compare import config_from_args, print_summary
-    from mixprec.compare import compare
     from mixprec.comparison import outdir
     from mixprec.comparison.outdir import stored_config
+    from mixprec.comparison.runner import compare
     from mixprec.distributed.prepare import DataParallel
     from mixprec.distributed.world import is_main_process, world_size
 
@@ -117,7 +117,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def _loop_supports(feature: str) -> bool:
-    """Whether mixprec.comparison.run declares support for a distributed feature (DISTRIBUTED_FEATURES)."""
+    """Whether mixprec.comparison.training_run declares support for a distributed feature (DISTRIBUTED_FEATURES)."""
     from mixprec.comparison import run
 
     return feature in getattr(run, "DISTRIBUTED_FEATURES", ())

@@ -14,7 +14,7 @@ from mixprec.comparison.summary import (
     train_losses,
 )
 from mixprec.monitor import ROLES
-from mixprec.report import Section, heatmap_grid_png, line_plot_png, paragraph, table_html
+from mixprec.pages import Section, heatmap_grid_png, line_plot_png, paragraph, table_html
 
 
 def _pct(x: float | None, digits: int = 3) -> str:

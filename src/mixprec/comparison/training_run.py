@@ -37,7 +37,7 @@ from mixprec.models import lm_loss
 from mixprec.monitor import PrecisionMonitor
 
 CHECKPOINT_FORMAT = 1
-# what this loop supports under torchrun (read by mixprec.distributed.launch before it accepts the options)
+# what this loop supports under torchrun (read by mixprec.commands.torchrun before it accepts the options)
 DISTRIBUTED_FEATURES = ("fsdp2", "resume")
 
 
@@ -203,8 +203,8 @@ def train_run(
 
     stop_after: stop (as if interrupted) after this many steps, leaving the checkpoint — for tests.
     """
-    from mixprec.optim import AdamW
     from mixprec.training import advance_scaling_state, clip_grad_norm_, conversion_state, make_grad_scaler
+    from mixprec.training.optim import AdamW
 
     rank, world = _dist()
     model = copy.deepcopy(base_model).to(spec.device)

@@ -1,5 +1,5 @@
 """A short HTML report of an evaluation (gates, figures, example generations, PNG plots), built with the
-shared helpers of mixprec.report (self-contained: images inline; the PNGs are also written beside it)."""
+shared helpers of mixprec.pages (self-contained: images inline; the PNGs are also written beside it)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _fmt(v) -> str:
 
 def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
     """(file name, caption, PNG bytes)."""
-    from mixprec.report import _png, _pyplot
+    from mixprec.pages import _png, _pyplot
 
     plt = _pyplot()
     out = []
@@ -61,7 +61,7 @@ def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
 
 def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
     """Write out_dir/report.html, out_dir/evaluation.json and the PNGs; returns the HTML path."""
-    from mixprec.report import Section, paragraph, table_html, write_html_report
+    from mixprec.pages import Section, paragraph, table_html, write_html_report
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

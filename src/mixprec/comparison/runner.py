@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from mixprec.comparison import outdir
 from mixprec.comparison.config import DEFAULT_RECIPES, NOISE_SUFFIX, CompareConfig
-from mixprec.comparison.run import RunResult, RunSpec, train_run
 from mixprec.comparison.summary import METRICS_SCHEMA_VERSION, ComparisonSummary, json_safe, summarize
+from mixprec.comparison.training_run import RunResult, RunSpec, train_run
 from mixprec.errors import MixprecError
 
 
@@ -178,7 +176,7 @@ def compare(
     summary.data = data_t.describe()
     summary.model = model_info
     summary.speed = speed_figures(results)
-    from mixprec.hardware import describe_machine
+    from mixprec.kernels.hardware import describe_machine
 
     summary.machine = describe_machine()
     summary.trained_models = {res.name: res.model for res in results if res.model is not None}
@@ -226,7 +224,7 @@ def _check_checkpoint_kind(ckpt_dir: Path, world: int) -> None:
 
 def speed_figures(results: list[RunResult]) -> dict:
     """Wall time per training step and the ratio to fp32; gated nowhere on CPU (emulated FP8)."""
-    from mixprec.hardware import detect
+    from mixprec.kernels.hardware import detect
 
     per = {r.name: r.seconds_per_step for r in results}
     ref = per.get("fp32")
@@ -245,8 +243,8 @@ def speed_figures(results: list[RunResult]) -> dict:
 
 
 def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) -> None:
-    from mixprec.comparison.plots import compare_sections
-    from mixprec.report import write_html_report, write_text_atomic
+    from mixprec.comparison.page import compare_sections
+    from mixprec.pages import write_html_report, write_text_atomic
 
     outdir.write_jsonl(
         out / "metrics.jsonl", [json_safe({"schema_version": METRICS_SCHEMA_VERSION, **r}) for r in records]
@@ -256,16 +254,5 @@ def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) 
     write_text_atomic(out / "summary.json", json.dumps(summary.to_dict(), indent=1))
     write_html_report(out, "mixprec compare", compare_sections(summary, records), subtitle=summary.machine)
 
-
-class _CallableModule(types.ModuleType):
-    """`import mixprec.compare` binds the package attribute `mixprec.compare` to this module, shadowing
-    the lazily exported function of the same name: calling the module calls the function, so
-    `mixprec.compare(...)` works either way."""
-
-    def __call__(self, *args, **kwargs) -> ComparisonSummary:
-        return compare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = ["CompareConfig", "ComparisonSummary", "compare", "load_inputs", "run_specs", "write_artefacts"]

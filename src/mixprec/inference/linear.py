@@ -16,7 +16,7 @@ from mixprec.kernels.native import quantize_fast
 from mixprec.scaling import Granularity, QuantizedTensor
 
 
-class FP8InferenceLinear(nn.Module):
+class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b with W stored in FP8 and x quantized to FP8 on the fly (inference only)."""
 
     def __init__(
@@ -53,7 +53,7 @@ class FP8InferenceLinear(nn.Module):
         input_scale: torch.Tensor | None = None,
         weight_scale: torch.Tensor | None = None,
         name: str = "weight",
-    ) -> FP8InferenceLinear:
+    ) -> QuantizedLinear:
         from mixprec.inference.schemes import quantize_weight
 
         q, _ = quantize_weight(linear.weight.detach(), scheme, name=name, scale=weight_scale)

@@ -13,7 +13,7 @@ This optimizer keeps, per low-precision parameter:
 - the **moments** ``exp_avg`` / ``exp_avg_sq`` in ``moment_dtype`` (bf16 by default for bf16 params), updated in fp32
   and stored with stochastic rounding (with round-to-nearest a bf16 ``exp_avg_sq`` cannot decay by
   0.1 % a step: ``0.999 * v`` rounds back to ``v``). The rounding noise is counter-based
-  (mixprec.stochastic_rounding: a hash of each element's index and a per-step key, one key per
+  (mixprec.rounding: a hash of each element's index and a per-step key, one key per
   parameter for both moments); its counter is saved in ``state_dict`` so that a resumed run continues
   identically.
 
@@ -26,7 +26,7 @@ once per parameter from Python. Parameters with an fp32 master are taken in pack
 widened into reused flat fp32 scratch buffers (sized to the largest parameter, at least 2**20
 elements; kept up to 2**24 elements — 4 buffers of 64 MiB — larger ones are allocated per step);
 the stochastic rounding adds the noise into the scratch's bits and copies the high halves out (see
-mixprec.stochastic_rounding.stochastic_round_pair_into).
+mixprec.rounding.stochastic_round_pair_into).
 
 Bytes per parameter (gradients included), see :func:`bytes_per_parameter`:
 fp32 AdamW 4+4+4+4 = 16 B; bf16 param + fp32 grad buffer + fp32 master + bf16 moments 2+4+4+2+2 = 14 B.
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.stochastic_rounding import CHUNK, NoiseStream, stochastic_round, stochastic_round_pair_into
+from mixprec.rounding import CHUNK, NoiseStream, stochastic_round, stochastic_round_pair_into
 
 _DTYPES = {
     "fp32": torch.float32,
