@@ -155,8 +155,11 @@ def environment(run: Run) -> None:
 
 def gemm_section(run: Run) -> None:
     from mixprec.kernels import native
-    from mixprec.kernels.native import quantize_fast
+    from mixprec.quantization import quantize
     from mixprec.scaling import Granularity as G
+
+    def auto_quantize(x, fmt, g=None):  # what "auto" runs on this device (the Triton kernels on CUDA)
+        return quantize(x, fmt, g, validate_scale=False)
 
     n = 256 if DEVICE == "cpu" else 4096 if run.quick else 8192
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -178,7 +181,7 @@ def gemm_section(run: Run) -> None:
             rows.append([name, f"FAILED: {type(exc).__name__}: {str(exc)[:150]}", "", "", note])
 
     add("bf16 torch.mm", median_ms(lambda: a @ b.t(), reps=20))
-    qa_t, qb_t = quantize_fast(a, "e4m3"), quantize_fast(b, "e4m3")
+    qa_t, qb_t = auto_quantize(a, "e4m3"), auto_quantize(b, "e4m3")
     sa, sb = qa_t.scale.reshape(()), qb_t.scale.reshape(())
     bt = qb_t.data.t()
     for fast in (False, True):
@@ -192,7 +195,7 @@ def gemm_section(run: Run) -> None:
             ),
             "TE H200 pre-quantized: 1.92x",
         )
-    qa_r, qb_r = quantize_fast(a, "e4m3", G.rows()), quantize_fast(b, "e4m3", G.rows())
+    qa_r, qb_r = auto_quantize(a, "e4m3", G.rows()), auto_quantize(b, "e4m3", G.rows())
     sbr = qb_r.scale.t().contiguous()
     attempt(
         "fp8 rowwise (pre-quantized)",
@@ -203,7 +206,7 @@ def gemm_section(run: Run) -> None:
             reps=20,
         ),
     )
-    qa_b, qb_b = quantize_fast(a, "e4m3", G.blocks(1, 128)), quantize_fast(b, "e4m3", G.blocks(128, 128))
+    qa_b, qb_b = auto_quantize(a, "e4m3", G.blocks(1, 128)), auto_quantize(b, "e4m3", G.blocks(128, 128))
     backend = native.blockwise_backend(DEVICE)
     backends = [backend] if backend not in ("triton", "emulated") else []
     if native.triton_usable(DEVICE):
@@ -218,7 +221,7 @@ def gemm_section(run: Run) -> None:
         )
 
     def dynamic():
-        qa, qb = quantize_fast(a, "e4m3"), quantize_fast(b, "e4m3")
+        qa, qb = auto_quantize(a, "e4m3"), auto_quantize(b, "e4m3")
         return torch._scaled_mm(
             qa.data,
             qb.data.t(),
@@ -245,25 +248,23 @@ def gemm_section(run: Run) -> None:
     )
 
     # fused quantization bandwidth: bytes = read bf16 + write 1 byte (+ scales)
-    from mixprec.scaling import quantize
-
     qrows = []
     for g in (G.tensor(), G.rows(), G.blocks(1, 128), G.blocks(128, 128), G.mx(32)):
         try:
-            t_fast = median_ms(lambda g=g: quantize_fast(a, "e4m3", g), reps=10)
+            t_fast = median_ms(lambda g=g: auto_quantize(a, "e4m3", g), reps=10)
         except Exception as exc:
             qrows.append([g.name, f"FAILED: {type(exc).__name__}: {str(exc)[:120]}", "", "", ""])
             continue
         try:
-            t_torch = median_ms(lambda g=g: quantize(a, "e4m3", g), warmup=1, reps=3)
-        except Exception as exc:  # the torch path on CUDA (scaling.quantize) has failed before: say so
+            t_torch = median_ms(lambda g=g: quantize(a, "e4m3", g, backend="eager"), warmup=1, reps=3)
+        except Exception as exc:  # the eager torch backend on CUDA has failed before: say so
             t_torch = math.nan
-            print(f"[gpu_bench] scaling.quantize {g.name} on CUDA failed: {exc}", flush=True)
+            print(f"[gpu_bench] eager quantize {g.name} on CUDA failed: {exc}", flush=True)
         gbs = a.numel() * 3 / t_fast / 1e6
         qrows.append([g.name, f"{t_fast:.3f}", f"{gbs:.0f}", f"{t_torch:.3f}", fmt_ratio(t_torch, t_fast)])
     run.data["sections"]["quantize"] = qrows
     run.table(
-        f"Fused quantization of a {n}x{n} bf16 tensor to E4M3 (quantize_fast vs scaling.quantize, bit-identical)",
+        f"Fused quantization of a {n}x{n} bf16 tensor to E4M3 (quantize: auto vs eager backend, bit-identical)",
         ["granularity", "fused ms", "GB/s (3 B/elem)", "torch ms", "speed-up"],
         qrows,
         note="Copy ceiling on this machine ~4.3 TB/s (KINDS.md). Per-tensor reads the input twice.",
@@ -344,16 +345,15 @@ def new_layer() -> Layer:
 
 @contextlib.contextmanager
 def kernels_hook(enabled: bool):
-    """The proposed gemm.py hook (docs/gpu.md), applied for the run: fused quantization in
-    gemm.quantize_operand and the probed native/Triton kernel for blockwise GEMMs."""
+    """The probed native/Triton kernel for blockwise GEMMs, applied for the run. (Fused quantization
+    needs no hook: mixprec.quantization picks the Triton kernels on CUDA by itself.)"""
     if not enabled:
         yield
         return
     import mixprec.gemm as gemm
-    import mixprec.training.fp8_linear as fl
     from mixprec.kernels import native
 
-    saved = (gemm.quantize_operand, fl.quantize_operand, gemm._native, gemm.native_available)
+    saved = (gemm._native, gemm.native_available)
     orig_native, orig_avail = gemm._native, gemm.native_available
 
     def _native(a, b, out_dtype, bias):
@@ -366,16 +366,11 @@ def kernels_hook(enabled: bool):
             return ok, "" if ok else "no blockwise kernel (probe failed, no triton)"
         return orig_avail(a, b, out_dtype)
 
-    import mixprec.inference.linear as il
-
-    saved_inference = il.quantize
-    gemm.quantize_operand = fl.quantize_operand = il.quantize = native.quantize_fast
     gemm._native, gemm.native_available = _native, native_available
     try:
         yield
     finally:
-        gemm.quantize_operand, fl.quantize_operand, gemm._native, gemm.native_available = saved
-        il.quantize = saved_inference
+        gemm._native, gemm.native_available = saved
 
 
 def training_section(run: Run) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +12,13 @@ import torch
 
 # tests/reference.py is imported as a plain module (`import reference`) by the numerics tests.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Without CUDA the Triton kernel tests (tests/kernels) run in Triton's interpreter. TRITON_INTERPRET is
+# read when a function is decorated with @triton.jit, and triton.language's own helpers (tl.zeros...) are
+# decorated when triton is first imported — which other tests (torch.compile, torchao) may do long before
+# tests/kernels is reached. So it is set here, in the first conftest pytest loads.
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -104,9 +104,12 @@ def test_broken_recipe_fails_and_the_statistics_show_why(tiny):
     assert summary.passed is False and summary.exit_code == 1
     # E4M3 with scale 1: gradients (~1e-4) fall below E4M3's smallest subnormal and vanish
     assert broken.underflow_peak["grad_output"]["value"] > 0.5
-    assert any("underflow" in r for r in broken.reasons)
-    assert broken.train_gap > summary.config["thresholds"]["fp8"]
-    assert broken.val_gap > summary.config["thresholds"]["fp8"]
+    assert any("underflow up to 100.0% of grad_output" in r for r in broken.reasons)
+    # its loss gap at 20 steps depends on the machine's BLAS (+0.22 % validation on one CPU, -0.16 % train
+    # on another): the statistics fail it whichever way the gap fell
+    assert broken.train_gap > summary.config["thresholds"]["fp8"] or any(
+        "beyond their limits" in r for r in broken.reasons
+    )
     good = summary.recipes["fp8-delayed"]
     assert good.underflow_peak["grad_output"]["value"] < broken.underflow_peak["grad_output"]["value"]
     assert summary.recipes["fp32"].verdict == "baseline"
@@ -257,6 +260,19 @@ def test_a_gap_within_the_baselines_noise_is_inconclusive_unless_the_statistics_
     )
     with pytest.raises(MixprecError, match="threshold saturation"):
         CompareConfig(recipes=cfg.recipes, thresholds={"saturation": -1}).validate()
+
+
+def test_statistics_beyond_their_limits_fail_a_recipe_whose_gap_is_within_the_threshold():
+    cfg = CompareConfig(recipes=("fp32", "fp8-current"), steps=10, eval_last=2)
+    base = _synthetic("fp32", [2.0] * 10, [2.0, 2.0])
+    fp8 = _synthetic("fp8-current", [2.0] * 10, [2.0, 2.0])  # the same loss: a gap of 0
+    clean = summarize(base + fp8 + [_precision_row("fp8-current", "grad_output", 0.0, 0.049)], cfg)
+    assert clean.recipes["fp8-current"].verdict == "pass"
+    lost = summarize(base + fp8 + [_precision_row("fp8-current", "grad_output", 0.0, 1.0)], cfg)
+    judged = lost.recipes["fp8-current"]
+    assert judged.verdict == "fail" and lost.exit_code == 1
+    assert judged.reasons[0].startswith("train loss +0.000% vs fp32, within the 0.25% threshold, but")
+    assert judged.reasons[1:] == ["underflow up to 100.0% of grad_output (l, step 5)"]
 
 
 def test_library_entry_point_is_the_comparison_function():

@@ -61,7 +61,7 @@ def test_bad_corpora_are_clear_errors(tmp_path, setup, message):
 
 
 def test_split_has_no_overlap_and_is_stable(tmp_path):
-    from mixprec.data import Corpus
+    from mixprec.texts import Corpus
 
     corpus = Corpus(tuple(_docs(60)), "test")
     train, val = split_documents(corpus)
@@ -72,7 +72,7 @@ def test_split_has_no_overlap_and_is_stable(tmp_path):
 
 
 def test_tokenizer_is_deterministic_and_blocks_fixed_length():
-    from mixprec.data import Corpus
+    from mixprec.texts import Corpus
 
     corpus = Corpus(tuple(_docs(60)), "test")
     a = prepare_data(corpus, seq_len=16, vocab_size=300, min_train_blocks=4)
@@ -85,7 +85,7 @@ def test_tokenizer_is_deterministic_and_blocks_fixed_length():
 
 
 def test_too_small_corpus_is_an_error():
-    from mixprec.data import Corpus
+    from mixprec.texts import Corpus
 
     with pytest.raises(MixprecError, match="too small"):
         prepare_data(Corpus(("tiny text",), "test"), seq_len=64, vocab_size=300)

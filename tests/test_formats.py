@@ -27,6 +27,8 @@ from mixprec.formats import (
     decode,
     encode,
     get_format,
+    round_saturating,
+    saturating_codes,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -148,7 +150,7 @@ def test_e8m0_codes_round_trip():
 @pytest.mark.parametrize("path", ["probed", "clamp"])
 def test_cast_bit_identical_to_torch_in_range(fmt, path, gen, monkeypatch):
     if path == "clamp":  # the path taken where torch's cast does not saturate (torch 2.11)
-        monkeypatch.setattr(F, "_torch_cast_saturates", lambda dtype: False)
+        monkeypatch.setattr(F, "torch_cast_saturates", lambda dtype: False)
     n = 2**20 if path == "probed" else 2**16  # >= 10^6 values on the path this torch takes
     x = torch.cat([_structured(fmt), _random_in_range(fmt, n, gen)])
     assert (x.numel() >= 10**6 or path == "clamp") and bool((x.abs() <= fmt.max).all())
@@ -193,7 +195,7 @@ def _check_specials(fmt, dtype=torch.float32):
 @pytest.mark.parametrize("path", ["probed", "clamp"])
 def test_out_of_range_zero_nan_inf(fmt, path, monkeypatch):
     if path == "clamp":
-        monkeypatch.setattr(F, "_torch_cast_saturates", lambda dtype: False)
+        monkeypatch.setattr(F, "torch_cast_saturates", lambda dtype: False)
     _check_specials(fmt)
     _check_specials(fmt, torch.float64)
 
@@ -233,13 +235,13 @@ def test_same_answers_with_a_torch_211_style_cast(monkeypatch):
     """mixprec clamps before torch's cast when the probe finds a non-saturating cast, so a torch whose
     cast maps overflow to NaN (2.11) gives the same results as a saturating one (>= 2.12)."""
     monkeypatch.setattr(torch.Tensor, "to", _torch_211_style_to(torch.Tensor.to))
-    F._torch_cast_saturates.cache_clear()
+    F.torch_cast_saturates.cache_clear()
     try:
-        assert F._torch_cast_saturates(torch.float8_e4m3fn) is False
+        assert F.torch_cast_saturates(torch.float8_e4m3fn) is False
         _check_specials(E4M3)
         q = torch.tensor([1e6, -math.inf, 3.0])
         assert cast_to_format(q, E4M3).tolist() == [448.0, -448.0, 3.0]
-        from mixprec.scaling import quantize  # quantize's payload cast takes the same clamp
+        from mixprec.quantization import quantize  # quantize's payload cast takes the same clamp
 
         payload = decode(
             quantize(torch.tensor([[1e6, -math.inf, 3.0, math.nan]]), E4M3, scale=1.0).data, E4M3
@@ -247,7 +249,7 @@ def test_same_answers_with_a_torch_211_style_cast(monkeypatch):
         assert payload[0, :3].tolist() == [448.0, -448.0, 3.0] and torch.isnan(payload[0, 3])
     finally:
         monkeypatch.undo()
-        F._torch_cast_saturates.cache_clear()
+        F.torch_cast_saturates.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,6 +275,26 @@ def test_sub_byte_exhaustive_against_reference(fmt, saturate):
     want = _f32([ref.ref_cast(v, fmt, saturate) for v in x.tolist()])
     assert ref.bits_equal(cast_to_format(x, fmt, saturate=saturate), want)
     assert ref.bits_equal(cast_to_format(x.double(), fmt, saturate=saturate), want)
+
+
+@pytest.mark.parametrize("fmt", [*SUB_BYTE, TF32], ids=lambda f: f.name)
+def test_traced_forms_of_the_rounding_are_the_eager_ones(fmt):
+    """round_to_grid's out-of-place form (what torch.compile traces) rounds as its in-place form."""
+    if fmt.bits < 8:
+        x = _exhaustive(fmt)
+    else:  # TF32: a wide-range sample with the special values
+        x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(2)) * torch.logspace(
+            -40, 38, 1 << 16
+        )
+        x[:4] = torch.tensor([math.inf, -math.inf, math.nan, -0.0])
+    eager = round_saturating(x, fmt, inplace=True)
+    assert ref.bits_equal(round_saturating(x, fmt), eager)
+    assert ref.bits_equal(eager, cast_to_format(x, fmt))
+    if fmt.bits < 8:
+        finite = x[~torch.isnan(x)]
+        codes = saturating_codes(finite, fmt)
+        assert torch.equal(codes, saturating_codes(finite, fmt, inplace=True))
+        assert torch.equal(codes, encode(finite, fmt))
 
 
 def test_enumeration_and_quantum_references_agree():

@@ -1,81 +1,22 @@
-"""The FP8 GEMM seam: fast operand quantization is bit-identical to scaling.quantize; scaled_mm emulated
-vs an fp64 reference and vs the native CPU kernel; layouts no kernel runs are refused."""
+"""The FP8 GEMM seam: scaled_mm emulated vs an fp64 reference and vs the native CPU kernel; transposed
+operands re-viewed from symmetric blockings; layouts no kernel runs are refused. (The operands come
+from mixprec.quantization, tested in tests/test_quantization*.py.)"""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3, E5M2
-from mixprec.gemm import quantize_operand, quantize_transposed, scaled_mm, transpose_quantized
+from mixprec.formats import E4M3, E5M2, decode
+from mixprec.gemm import dequantize_blockwise, scaled_mm, transpose_quantized, with_decoded
 from mixprec.kernels.hardware import detect
-from mixprec.scaling import Granularity, QuantizedTensor, quantize
-
-GRANULARITIES = [
-    Granularity.tensor(),
-    Granularity.rows(),
-    Granularity.columns(),
-    Granularity.blocks(1, 128),
-    Granularity.blocks(128, 1),
-    Granularity.blocks(128, 128),
-    Granularity.mx(32),
-    Granularity.mx(32, axis=0),
-    Granularity.mx(32, rounding="rceil"),
-]
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity, QuantizedTensor, expand_scale
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def _data(gen, rows=130, cols=260, dtype=torch.float32):
-    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 3, cols)  # wide dynamic range
-    x[3, 5], x[7, 9], x[11, 13] = math.inf, -math.inf, math.nan
-    x[20:30, 130:160] = 0.0
-    return x.to(dtype)
-
-
-CASES = [(g, fmt, torch.float32) for g in GRANULARITIES for fmt in (E4M3, E5M2)] + [
-    (g, E4M3, torch.bfloat16) for g in (Granularity.tensor(), Granularity.blocks(128, 1), Granularity.mx(32))
-]
-
-
-@pytest.mark.parametrize("g,fmt,dtype", CASES, ids=lambda v: getattr(v, "name", str(v)))
-def test_quantize_operand_bit_identical_to_foundation(gen, g, fmt, dtype):
-    x = _data(gen, dtype=dtype)
-    want = quantize(x, fmt, g)
-    got = quantize_operand(x, fmt, g)
-    assert torch.equal(got.scale, want.scale)
-    assert _bits_equal(got.data, want.data)
-    # a given scale (delayed scaling) and pow2 scales, too
-    s = want.scale * 1.75
-    assert _bits_equal(quantize_operand(x, fmt, g, scale=s).data, quantize(x, fmt, g, scale=s).data)
-    if g.scale_format == "fp32":
-        want2 = quantize(x, fmt, g, power_of_two=True, margin=1)
-        got2 = quantize_operand(x, fmt, g, power_of_two=True, margin=1)
-        assert torch.equal(got2.scale, want2.scale) and _bits_equal(got2.data, want2.data)
-
-
-@pytest.mark.parametrize(
-    "g",
-    [Granularity.tensor(), Granularity.rows(), Granularity.blocks(1, 128), Granularity.mx(32)],
-    ids=lambda g: g.name,
-)
-def test_quantize_transposed_equals_quantizing_the_transpose(gen, g):
-    x = _data(gen, 260, 150)
-    want = quantize(x.t().contiguous(), E4M3, g)
-    got = quantize_transposed(x, E4M3, g)
-    assert got.shape == want.shape and got.granularity == g
-    assert torch.equal(got.scale, want.scale) and _bits_equal(got.data.contiguous(), want.data)
-    # the transposed payload view computes alike (up to the BLAS's accumulation order)
-    x = torch.randn(260, 150, generator=gen)
-    got, want = quantize_transposed(x, E4M3, g), quantize(x.t().contiguous(), E4M3, g)
-    qb = quantize(torch.randn(40, 260, generator=gen), E4M3, g)
-    mag = want.dequantize().abs() @ qb.dequantize().abs().t()
-    assert ((scaled_mm(got, qb) - scaled_mm(want, qb)).abs() <= 1e-5 * mag).all()
 
 
 @pytest.mark.parametrize("g", [Granularity.tensor(), Granularity.blocks(128, 128)], ids=lambda g: g.name)
@@ -188,13 +129,11 @@ def test_native_cuda_agrees_with_emulation(ga, gb):
 def test_folding_the_cpu_decode_factor_into_the_scales_changes_no_bit(granularity, magnitude, out_dtype):
     # the CPU decodes E4M3 as values * 2^-8 and moves 2^16 into the scales (formats.decode_unscaled);
     # operands that carry their exactly decoded values take the plain path: both must agree bit for bit
-    from mixprec.gemm import with_decoded
-
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(64, 96, generator=gen) * magnitude
     w = torch.randn(48, 96, generator=gen) * magnitude
     bias = torch.randn(48, generator=gen)
-    qa, qb = quantize_operand(x, E4M3, granularity), quantize_operand(w, E4M3, granularity)
+    qa, qb = quantize(x, E4M3, granularity), quantize(w, E4M3, granularity)
     for b in (None, bias):
         folded = scaled_mm(qa, qb, out_dtype=out_dtype, bias=b, backend="emulated")
         exact = scaled_mm(with_decoded(qa), with_decoded(qb), out_dtype=out_dtype, bias=b, backend="emulated")
@@ -211,17 +150,13 @@ def test_folding_the_cpu_decode_factor_into_the_scales_changes_no_bit(granularit
 @pytest.mark.parametrize("transposed", [False, True])
 def test_blockwise_dequantization_with_the_folded_decode_factor_is_exact(granularity, magnitude, transposed):
     # dequantize_blockwise multiplies the CPU decode (values * 2^-8) by scale * 2^8: the same products
-    from mixprec.formats import decode
-    from mixprec.gemm import _expand_scale, dequantize_blockwise
-
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(256, 384, generator=gen) * magnitude
-    q = quantize_operand(x, E4M3, granularity)
+    q = quantize(x, E4M3, granularity)
     if transposed:  # a transposed payload view with the transposed grid, as the backward GEMMs use
         q = QuantizedTensor(
             q.data.t(), q.scale.t().contiguous(), q.fmt, granularity.transposed(), q.data.t().shape
         )
     rows, cols = q.data.shape
-    br, bc = q.granularity.block_shape(rows, cols)
-    want = decode(q.data, E4M3) * _expand_scale(q.scale, br, bc, rows, cols)
+    want = decode(q.data, E4M3) * expand_scale(q.scale, q.granularity, rows, cols)
     assert torch.equal(dequantize_blockwise(q).view(torch.int32), want.view(torch.int32))

@@ -1,29 +1,31 @@
-"""The `mixprec` command: a thin dispatcher. Each subcommand lives in mixprec/commands/<name>.py and
-defines NAME, HELP, add_arguments(parser) and run(args) -> int (0 ok, 1 a gate or verdict failed)."""
+"""The `mixprec` command (also `python -m mixprec`): a thin dispatcher. Each subcommand lives in
+mixprec/commands/<name>.py and defines NAME, HELP, add_arguments(parser) and run(args) -> int (0 ok,
+1 a gate or verdict failed), and TORCHRUN = True if it runs data-parallel under torchrun (every other
+command refuses a multi-process torchrun launch before any work: mixprec.commands.torchrun)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from mixprec import __version__
+from mixprec.commands import (
+    compare,
+    demo,
+    doctor,
+    evaluate,
+    export_onnx,
+    formats,
+    quantize,
+    quantize_onnx,
+    torchrun,
+)
 from mixprec.errors import MixprecError
 
-COMMAND_MODULES = (
-    "compare",
-    "demo",
-    "formats",
-    "doctor",
-    "quantize",
-    "evaluate",
-    "export_onnx",
-    "onnx",
-)
+COMMANDS = (compare, demo, formats, doctor, quantize, evaluate, export_onnx, quantize_onnx)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mixprec import __version__
-
     parser = argparse.ArgumentParser(
         prog="mixprec",
         description="Take PyTorch models to BF16 and FP8, for training and inference, and verify nothing was lost.",
@@ -31,11 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in COMMAND_MODULES:
-        module = importlib.import_module(f"mixprec.commands.{module_name}")
+    for module in COMMANDS:
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
-        command.set_defaults(_run=module.run)
+        command.set_defaults(_run=module.run, _torchrun=getattr(module, "TORCHRUN", False))
     return parser
 
 
@@ -46,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        refusal = torchrun.refuse_reason(args.command, args._torchrun)
+        if refusal:
+            raise MixprecError(refusal)
         return int(args._run(args) or 0)
     except MixprecError as err:
         if args.debug:
             raise
-        print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
+        if torchrun.launched_rank() == 0:  # under torchrun every rank meets the same error: rank 0 says it
+            print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"mixprec {args.command}: interrupted", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""ConversionReport: every module of a converted model, the precision it got, and why.
+"""ConversionReport: every module of a converted model, the precision it got, and why — one type for
+both wings. Training conversion fills the module table; inference quantization (a report with a
+`scheme`) adds per-layer scale statistics, weight bytes before and after, and warnings.
 
 Printable as a rich table (``rich.print(report)`` or ``report.print()``), as plain text (``str(report)``),
 and as a dict / JSON (``report.to_dict()``, ``report.to_json()``; schema in docs/train.md).
@@ -7,8 +9,13 @@ and as a dict / JSON (``report.to_dict()``, ``report.to_json()``; schema in docs
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from torch import nn
+
+from mixprec.errors import MixprecError
 
 SCHEMA_VERSION = 1
 
@@ -34,6 +41,34 @@ class ConversionReport:
     param_dtype: str
     entries: list[ModuleEntry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Inference quantization (quantize_model_, quantize_checkpoint, load_quantized) sets `scheme`; then
+    # to_dict() carries these fields too.
+    scheme: str | None = None
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> stats (scales file entry)
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    warnings: list[str] = field(default_factory=list)
+    output: str | None = None
+
+    # ---- building (inference) --------------------------------------------------------------------
+    def add_fp8(
+        self, name: str, type_: str, num_params: int, stats: dict[str, Any], converted_to: str
+    ) -> None:
+        """A Linear quantized under this report's scheme; `stats` is its scales-file entry."""
+        rel = stats.get("weight", {}).get("relative_error")
+        reason = f"rel. weight error {rel:.2e}" if rel is not None else ""
+        self.entries.append(
+            ModuleEntry(name, type_, "linear", f"fp8:{self.scheme}", reason, converted_to, num_params)
+        )
+        self.layers[name] = stats
+
+    def add_skipped(self, name: str, type_: str, num_params: int, reason: str, role: str = "linear") -> None:
+        self.entries.append(ModuleEntry(name, type_, role, f"skipped: {reason}", reason, None, num_params))
+
+    def warn(self, message: str) -> None:
+        """Record a warning in the report and raise it as a UserWarning for the caller."""
+        self.warnings.append(message)
+        warnings.warn(message, stacklevel=3)
 
     # ---- queries -------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ModuleEntry:
@@ -62,6 +97,11 @@ class ConversionReport:
         """Modules the recipe could not take (each with its reason)."""
         return self.names("skipped")
 
+    @property
+    def max_relative_weight_error(self) -> float:
+        errs = [s.get("weight", {}).get("relative_error", 0.0) for s in self.layers.values()]
+        return max(errs, default=0.0)
+
     def summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for e in self.entries:
@@ -73,7 +113,7 @@ class ConversionReport:
 
     # ---- output --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "schema_version": SCHEMA_VERSION,
             "recipe": self.recipe,
             "kind": self.kind,
@@ -83,6 +123,16 @@ class ConversionReport:
             "notes": list(self.notes),
             "modules": [asdict(e) for e in self.entries],
         }
+        if self.scheme is not None:
+            d.update(
+                scheme=self.scheme,
+                weight_bytes_before=self.weight_bytes_before,
+                weight_bytes_after=self.weight_bytes_after,
+                max_relative_weight_error=self.max_relative_weight_error,
+                warnings=list(self.warnings),
+                output=self.output,
+            )
+        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -124,3 +174,17 @@ class ConversionReport:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the submodule `name` ("model.layers.0.mlp.up_proj") of `model` is: the one way
+    both wings swap a module on its parent. MixprecError for the root ("") or a name `model` lacks."""
+    if not name:
+        raise MixprecError(
+            f"the root module ({type(model).__name__}) cannot be replaced in place; "
+            "convert a model that holds it (e.g. nn.Sequential(module))"
+        )
+    try:
+        model.set_submodule(name, new, strict=True)
+    except AttributeError as exc:
+        raise MixprecError(f"{type(model).__name__} has no submodule {name!r} to replace: {exc}") from None

@@ -14,7 +14,6 @@ So a resumed run needs no iterator state, and two recipes see exactly the same b
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sysconfig
 from dataclasses import dataclass, field
@@ -24,21 +23,15 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.files import staged_files
+from mixprec.hf import load_tokenizer, transformers_module
+from mixprec.texts import Corpus, read_texts
 
 EOT = "<|endoftext|>"
 DEFAULT_VOCAB = 1024
 # The default corpus is capped: the whole standard library is ~30 MB of source, far more than a
 # comparison of a small model needs, and tokenizing it would dominate the run time.
 DEFAULT_MAX_CHARS = 3_000_000
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Raw documents, in a fixed order, with where they came from."""
-
-    documents: tuple[str, ...]
-    source: str  # human-readable: a path, or "python-stdlib:<dir>"
-    names: tuple[str, ...] = ()  # one per document (relative path, or "line N")
 
 
 @dataclass
@@ -98,62 +91,21 @@ def _stdlib_corpus(max_chars: int) -> Corpus:
     return Corpus(tuple(docs), f"python-stdlib:{root}", tuple(names))
 
 
-def _read_jsonl(path: Path) -> tuple[list[str], list[str]]:
-    docs, names = [], []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MixprecError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise MixprecError(f'{path}:{number}: each line must be an object with a string "text" field')
-            docs.append(row["text"])
-            names.append(f"line {number}")
-    return docs, names
-
-
 def load_corpus(path: str | os.PathLike | None = None, max_chars: int | None = None) -> Corpus:
-    """The documents of `path` (.txt, .jsonl, or a folder of .txt/.md), or the stdlib sources if None."""
+    """The documents of `path` (a .txt file split at blank lines, a .jsonl file, or a folder of .txt/.md
+    files, each one document: mixprec.texts.read_texts), or the stdlib sources if None."""
     if path is None:
         return _stdlib_corpus(max_chars or DEFAULT_MAX_CHARS)
-    p = Path(path)
-    if not p.exists():
-        raise MixprecError(f"data path {p} does not exist")
-    try:
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in (".txt", ".md"))
-            if not files:
-                raise MixprecError(f"data folder {p} holds no .txt or .md files")
-            docs = [f.read_text(encoding="utf-8") for f in files]
-            names = [str(f.relative_to(p)) for f in files]
-        elif p.suffix.lower() == ".jsonl":
-            docs, names = _read_jsonl(p)
-        elif p.suffix.lower() in (".txt", ".md", ".py", ""):
-            # one file: split at blank-line paragraphs so train and validation can be separated by document
-            text = p.read_text(encoding="utf-8")
-            docs = [d for d in text.split("\n\n") if d.strip()]
-            names = [f"paragraph {i + 1}" for i in range(len(docs))]
-        else:
-            raise MixprecError(
-                f"data path {p}: expected a .txt/.md file, a .jsonl file or a folder, got {p.suffix!r}"
-            )
-    except UnicodeDecodeError as exc:
-        raise MixprecError(f"data path {p}: not UTF-8 text ({exc.reason})") from None
-    kept = [(d, n) for d, n in zip(docs, names) if d.strip()]
-    if not kept:
-        raise MixprecError(f"data path {p} holds no text (empty corpus)")
-    if max_chars is not None:
-        out, total = [], 0
-        for d, n in kept:
-            out.append((d, n))
-            total += len(d)
-            if total >= max_chars:
-                break
-        kept = out
-    return Corpus(tuple(d for d, _ in kept), str(p), tuple(n for _, n in kept))
+    corpus = read_texts(path)
+    if max_chars is None:
+        return corpus
+    kept, total = [], 0
+    for doc, name in zip(corpus.documents, corpus.names):
+        kept.append((doc, name))
+        total += len(doc)
+        if total >= max_chars:
+            break
+    return Corpus(tuple(d for d, _ in kept), corpus.source, tuple(n for _, n in kept))
 
 
 def split_documents(corpus: Corpus, val_fraction: float = 0.05) -> tuple[list[str], list[str]]:
@@ -198,20 +150,6 @@ def train_bpe_tokenizer(documents: list[str], vocab_size: int = DEFAULT_VOCAB):
     return tok
 
 
-def load_hf_tokenizer(directory: str | os.PathLike):
-    p = Path(directory)
-    if not p.is_dir():
-        raise MixprecError(f"tokenizer directory {p} does not exist")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise MixprecError("--tokenizer needs the 'hf' extra: pip install 'mixprec[hf]'") from None
-    try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise MixprecError(f"cannot load a tokenizer from {p}: {exc}") from None
-
-
 def _encode_all(tokenizer, documents: list[str]) -> tuple[list[int], int]:
     """Token ids of the documents joined by an end-of-text id, and the vocabulary size."""
     if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer
@@ -248,7 +186,7 @@ def prepare_data(
     """Split, tokenize and block the corpus. Raises MixprecError when too little text is left."""
     train_docs, val_docs = split_documents(corpus, val_fraction)
     if tokenizer_dir is not None:
-        tokenizer, kind = load_hf_tokenizer(tokenizer_dir), str(tokenizer_dir)
+        tokenizer, kind = load_tokenizer(tokenizer_dir), str(tokenizer_dir)
     else:
         tokenizer, kind = (
             train_bpe_tokenizer(train_docs, vocab_size),
@@ -291,24 +229,19 @@ def train_batch(data: TokenizedData, batch_size: int, step: int, seed: int) -> t
 
 
 def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
-    """Write the tokenizer where a Hugging Face loader finds it (tokenizer.json + config)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(d))
-        return
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOT, bos_token=EOT, unk_token=EOT)
-    fast.save_pretrained(str(d))
+    """Write the tokenizer where a Hugging Face loader finds it (tokenizer.json + config), beside what
+    the directory already holds (e.g. a model's weights); each file appears whole or not at all."""
+    if not hasattr(tokenizer, "save_pretrained"):  # a tokenizers.Tokenizer trained on the spot
+        fast = transformers_module("saving a tokenizer").PreTrainedTokenizerFast
+        tokenizer = fast(tokenizer_object=tokenizer, eos_token=EOT, bos_token=EOT, unk_token=EOT)
+    with staged_files(directory) as tmp:
+        tokenizer.save_pretrained(str(tmp))
 
 
 __all__ = [
-    "Corpus",
     "TokenizedData",
     "batch_indices",
     "load_corpus",
-    "load_hf_tokenizer",
     "prepare_data",
     "save_tokenizer",
     "split_documents",

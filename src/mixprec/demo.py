@@ -20,7 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.comparison.config import CompareConfig
+from mixprec.comparison.page import compare_sections
+from mixprec.comparison.runner import compare
+from mixprec.data import load_corpus, save_tokenizer, split_documents
 from mixprec.errors import MixprecError
+from mixprec.evaluation import Gates
+from mixprec.evaluation.runner import evaluate, write_report
+from mixprec.files import write_text_atomic
+from mixprec.inference import quantize_checkpoint
+from mixprec.kernels.hardware import detect
+from mixprec.pages import Section, paragraph, table_html, write_html_report
+from mixprec.training import export_for_inference
 
 # fp8-current rather than fp8-delayed: in a short run from scratch the activations' amax grows fast and
 # delayed scaling's history lags behind it (measured at this size, 120 steps: 1.2 % of an o_proj input
@@ -62,14 +72,12 @@ class DemoResult:
 
 
 def training_step(out: Path, config: CompareConfig, *, force: bool, progress: bool):
-    from mixprec.comparison.runner import compare
 
     return compare(config=config, out=out, force=force, progress=progress, keep_models=(DEMO_MODEL,))
 
 
 def _heldout_file(out: Path, config: CompareConfig) -> Path:
     """The validation documents of the comparison, as .jsonl (the evaluation reads text, not ids)."""
-    from mixprec.data import load_corpus, split_documents
 
     _, val_docs = split_documents(load_corpus(config.data, config.max_chars))
     path = out / "heldout.jsonl"
@@ -83,12 +91,6 @@ def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool)
     Needs mixprec.training.export_for_inference, mixprec.inference.quantize_checkpoint and
     mixprec.evaluation.runner.evaluate (issues 3, 5, 6).
     """
-    from mixprec.data import save_tokenizer
-    from mixprec.evaluation import Gates
-    from mixprec.evaluation.runner import evaluate, write_report
-    from mixprec.inference import quantize_checkpoint
-    from mixprec.kernels.hardware import detect
-    from mixprec.training import export_for_inference
 
     model = summary.trained_models.get(DEMO_MODEL)
     if model is None:
@@ -136,7 +138,6 @@ def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool)
 
 
 def inference_section(info: dict):
-    from mixprec.pages import Section, paragraph, table_html
 
     if info.get("status") != "done":
         return Section("FP8 inference", html=paragraph(f"Not run: {info.get('reason', 'unknown')}"))
@@ -172,8 +173,6 @@ def _fmt(v) -> str:
 
 def run_demo(out: str | os.PathLike = "mixprec-demo", *, force: bool = False, progress: bool = True,
              steps: int | None = None, inference: bool = True, **overrides) -> DemoResult:  # fmt: skip
-    from mixprec.comparison.page import compare_sections
-    from mixprec.pages import write_html_report, write_text_atomic
 
     out = Path(out)
     config = demo_config(steps, **overrides)

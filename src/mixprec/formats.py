@@ -216,22 +216,39 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return ((low + 127) << 23).view(torch.float32) * ((high + 127) << 23).view(torch.float32)
 
 
-def _round_magnitude(ax: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Round finite non-negative values (fp32 or fp64) to fmt's grid, exponent unbounded above.
+def round_to_grid(
+    ax: torch.Tensor, fmt: Format, *, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE round-to-nearest-even step of mixprec's torch code: non-negative fp32 (or fp64) magnitudes
+    rounded onto fmt's grid, exponent unbounded above, as (significand, binade): the rounded value is
+    significand * binade exactly, the significand a multiple of 2^-m in [0, 2], binade a power of two.
 
-    The quantum at |x| is 2^(max(e, emin) - m) with e = floor(log2 |x|). Dividing by 2^max(e, emin)
-    (exact) puts the value in [0, 2); adding 2^(P - m), with P the working type's mantissa width, makes
-    the hardware round exactly at the quantum, with ties to even because 2^(P-m) is an even multiple of
-    it; subtracting it back and re-scaling are exact.
+    binade = 2^max(e, emin) with e = floor(log2 |x|), read from the exponent bits (zero and fp32
+    subnormals read as 0 and are raised to the smallest normal). Dividing by it (exact) puts the value
+    in [0, 2); adding 2^(P - m), with P the working type's mantissa width, makes the hardware round
+    exactly at the quantum 2^-m, with ties to even because 2^(P - m) is an even multiple of it;
+    subtracting it back is exact. inplace=True reuses `ax`'s storage (a temporary of the caller's, in
+    eager code); inplace=False stays out of place, for code torch.compile traces. NaN and inf inputs
+    give NaN (their binade is inf): callers clamp or mask first. The Triton quantize kernel
+    (mixprec.kernels.triton_quant._fp8_code) has its own kernel-language copy of these lines.
     """
     if ax.dtype == torch.float64:
         itype, exp_mask, width = torch.int64, 0x7FF0000000000000, 52
     else:
         itype, exp_mask, width = torch.int32, 0x7F800000, 23
-    binade = (ax.view(itype) & exp_mask).view(ax.dtype)  # 2^floor(log2 x); 0 for zero and fp32 subnormals
-    binade = binade.clamp(min=fmt.min_normal)
+    binade = (ax.view(itype) & exp_mask).view(ax.dtype)
     magic = math.ldexp(1.0, width - fmt.mantissa_bits)
-    return ((ax / binade + magic) - magic) * binade
+    if inplace:
+        binade.clamp_(min=fmt.min_normal)
+        return ax.div_(binade).add_(magic).sub_(magic), binade
+    binade = binade.clamp(min=fmt.min_normal)
+    return (ax / binade + magic) - magic, binade
+
+
+def _round_magnitude(ax: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Finite non-negative values (fp32 or fp64) rounded to fmt's grid, exponent unbounded above."""
+    significand, binade = round_to_grid(ax, fmt)
+    return significand.mul_(binade)
 
 
 def _cast_e8m0(x: torch.Tensor, saturate: bool) -> torch.Tensor:
@@ -258,9 +275,10 @@ def _cast_e8m0(x: torch.Tensor, saturate: bool) -> torch.Tensor:
 
 
 @cache
-def _torch_cast_saturates(dtype: torch.dtype) -> bool:
-    """Whether this torch's cast maps +-inf and overflow to +-max and keeps NaN: then clamping first is
-    redundant (torch >= 2.12 for E4M3). Probed, never assumed, so older torch stays correct."""
+def torch_cast_saturates(dtype: torch.dtype) -> bool:
+    """Whether this torch's CPU cast to `dtype` maps +-inf and overflow to +-max and keeps NaN: then
+    clamping first is redundant (torch >= 2.12 for E4M3). Probed on the CPU, never assumed, so older
+    torch stays correct; on other devices callers clamp explicitly."""
     fmax = torch.finfo(dtype).max
     probe = torch.tensor([math.inf, -math.inf, 1e30, -1e30, fmax * 1.5, math.nan])
     got = probe.to(dtype).float()
@@ -273,7 +291,7 @@ def _cast_native(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     assert fmt.torch_dtype is not None
     if saturate:
         # the cast probe runs on the CPU: on other devices clamp explicitly (always correct)
-        native_sat = x.device.type == "cpu" and _torch_cast_saturates(fmt.torch_dtype)
+        native_sat = x.device.type == "cpu" and torch_cast_saturates(fmt.torch_dtype)
         inside = x if native_sat else x.clamp(-fmt.max, fmt.max)
         return inside.to(fmt.torch_dtype).float()
     y = x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
@@ -293,44 +311,65 @@ def _apply_overflow(x: torch.Tensor, y: torch.Tensor, fmt: Format) -> torch.Tens
     return torch.where(over, overflow_value, y)
 
 
-def _cast_emulated_saturating(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Saturating cast of fp32 values to a format torch lacks: _round_magnitude in place on one temporary.
+_SIGN_BIT = -(2**31)  # 0x80000000 as an int32
+
+
+def round_saturating(x: torch.Tensor, fmt: Format, *, inplace: bool = False) -> torch.Tensor:
+    """Saturating round-to-nearest-even of fp32 values into a format torch lacks, as fp32 (x untouched).
 
     Clamping |x| to max before rounding is exact (max is representable, and everything above it
     saturates to it); inf becomes max. NaN flows through: its binade is inf and NaN / inf is NaN.
+    inplace: see round_to_grid (out of place, the sign is OR-ed in from the bits: torch.compile lowers
+    that to vector code on the CPU).
     """
-    ax = x.abs().clamp_(max=fmt.max)
-    binade = (ax.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=fmt.min_normal)
-    magic = math.ldexp(1.0, 23 - fmt.mantissa_bits)
-    ax.div_(binade).add_(magic).sub_(magic).mul_(binade)
-    return ax.copysign_(x)
+    ax = x.abs()
+    ax = ax.clamp_(max=fmt.max) if inplace else ax.clamp(max=fmt.max)
+    significand, binade = round_to_grid(ax, fmt, inplace=inplace)
+    if inplace:
+        return significand.mul_(binade).copysign_(x)
+    rounded = significand * binade
+    return (rounded.view(torch.int32) | (x.view(torch.int32) & _SIGN_BIT)).view(torch.float32)
+
+
+def saturating_codes(y: torch.Tensor, fmt: Format, *, inplace: bool = False) -> torch.Tensor:
+    """uint8 codes of the saturating round-to-nearest-even of fp32 y into a format without inf/NaN
+    (FP6, FP4). NaN is not checked here (it gives some code): encode() refuses it, traced callers test
+    isnan themselves. inplace: see round_to_grid.
+
+    The codes of such a layout are consecutive integers in value order, so with 2^(f - bias) the
+    binade of |y| clamped to the smallest normal (exponent field f >= 1) and s in [0, 2] the
+    significand |y| / 2^(f - bias) rounded to m bits, code = (f - 1) * 2^m + s * 2^m: subnormals
+    have f = 1 and s < 1, and a rounding carry to s = 2 lands on the next binade's first code.
+    """
+    m = fmt.mantissa_bits
+    ax = y.abs()
+    ax = ax.clamp_(max=fmt.max) if inplace else ax.clamp(max=fmt.max)
+    significand, binade = round_to_grid(ax, fmt, inplace=inplace)
+    # the sign from the bits: torch.signbit has no vectorized lowering in torch.compile's CPU code
+    sign = (y.view(torch.int32) < 0).to(torch.int32)
+    if inplace:
+        sign.bitwise_left_shift_(fmt.exponent_bits + m)
+        code = significand.mul_(2**m).to(torch.int32)
+        field = (
+            binade.view(torch.int32).bitwise_right_shift_(23).sub_(127 - fmt.bias + 1).bitwise_left_shift_(m)
+        )
+        return code.add_(field).bitwise_or_(sign).to(torch.uint8)
+    field = ((binade.view(torch.int32) >> 23) - (127 - fmt.bias + 1)) << m
+    sign = sign << (fmt.exponent_bits + m)
+    return (((significand * float(2**m)).to(torch.int32) + field) | sign).to(torch.uint8)
 
 
 def _round_to_codes(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """uint8 codes of the saturating round-to-nearest-even of fp32 x into a format without inf/NaN.
-
-    The codes of such a layout are consecutive integers in value order, so with 2^(f - bias) the
-    binade of |x| clamped to the smallest normal (exponent field f >= 1) and s in [0, 2] the
-    significand |x| / 2^(f - bias) rounded to m bits, code = (f - 1) * 2^m + s * 2^m: subnormals
-    have f = 1 and s < 1, and a rounding carry to s = 2 lands on the next binade's first code.
-    """
-    ax = x.abs().clamp_(max=fmt.max)
-    if ax.numel() and bool(torch.isnan(ax.max())):  # max propagates NaN: one read, no mask tensor
+    """saturating_codes of fp32 x, refusing NaN (the format has no code for it)."""
+    if x.numel() and bool(torch.isnan(x.max())):  # max propagates NaN: one read, no mask tensor
         raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
-    m = fmt.mantissa_bits
-    field = ax.view(torch.int32) & 0x7F800000
-    binade = field.view(torch.float32).clamp_(min=fmt.min_normal)
-    magic = math.ldexp(1.0, 23 - m)
-    code = ax.div_(binade).add_(magic).sub_(magic).mul_(2**m).to(torch.int32)
-    field = binade.view(torch.int32).bitwise_right_shift_(23).sub_(127 - fmt.bias + 1).bitwise_left_shift_(m)
-    code.add_(field).bitwise_or_(torch.signbit(x).to(torch.int32).bitwise_left_shift_(fmt.exponent_bits + m))
-    return code.to(torch.uint8)
+    return saturating_codes(x, fmt, inplace=True)
 
 
 def _cast_emulated(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """Formats torch lacks (and fp64 inputs, to avoid double rounding through fp32)."""
     if x.dtype == torch.float32 and (saturate or fmt.saturates_always):
-        return _cast_emulated_saturating(x, fmt)
+        return round_saturating(x, fmt, inplace=True)
     ax = x.abs()
     finite = torch.isfinite(x)
     rounded = _round_magnitude(torch.where(finite, ax, 0.0), fmt)
@@ -391,6 +430,19 @@ def encode(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     if fmt is TF32:
         return y  # TF32 is a GEMM input mode; its values are stored in 32-bit words
     return values_to_codes(y, fmt)
+
+
+def encode_inplace(y: torch.Tensor, fmt: Format, out: torch.Tensor | None = None) -> torch.Tensor:
+    """encode() of fp32 values in a temporary the caller owns (the quantizers' scaled tensor): for
+    torch's FP8 dtypes clamped in place (clamp keeps NaN; skipped where the CPU cast saturates by
+    itself) and cast once, no fp32 detour; for the sub-byte formats rounded and encoded in one pass.
+    `out`: a payload tensor of y's shape to write into (returned), else a new one."""
+    if fmt.torch_dtype is not None and fmt.bits == 8:
+        if y.device.type != "cpu" or not torch_cast_saturates(fmt.torch_dtype):
+            y.clamp_(-fmt.max, fmt.max)
+        return y.to(fmt.torch_dtype) if out is None else out.copy_(y)
+    payload = encode(y, fmt)
+    return payload if out is None else out.copy_(payload)
 
 
 def values_to_codes(y: torch.Tensor, fmt: Format) -> torch.Tensor:

@@ -22,11 +22,9 @@ Backends
   rowwise with bf16 output ~1.7x slower at 2048x1024x1024), so "auto" emulates on CPU; "native"
   still runs it (tests compare the two).
 
-`quantize_operand` is scaling.quantize for torch's FP8 dtypes with fewer passes over memory (one amax
-reduction, one division, one saturating cast); payloads and scales are bit-identical (tested). Under
-torch.compile it runs mixprec.kernels.traceable (no graph breaks), on CUDA with triton the fused
-Triton kernels (mixprec.kernels.native.quantize_fast); on the CPU its own eager code, which is faster
-there than scaling.quantize (no fp32 copy of bf16 inputs, no scale validation).
+Operands come from mixprec.quantization (the one quantizer); this module holds no quantizer. It only
+re-views payloads: `transpose_quantized` reuses a symmetric blocking's payload and scales for the
+transposed operand.
 
 Under torch.compile the emulation has no graph breaks either: the per-tensor alpha and the blockwise
 dequantization are tensor ops there (same math; eager keeps the faster BLAS alpha / in-place forms).
@@ -39,74 +37,20 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format, decode, decode_unscaled, get_format
-from mixprec.scaling import (
-    Granularity,
-    QuantizedTensor,
-    apply_blockwise,
-    as_2d,
-    block_amax,
-    compute_mx_scale,
-    compute_scale,
-    encode_cast,
-    quantize,
-)
+from mixprec.formats import decode, decode_unscaled
+from mixprec.kernels import native
+from mixprec.kernels.hardware import detect
+from mixprec.scaling import Granularity, QuantizedTensor, apply_blockwise, as_transposed, expand_scale
 
 BACKENDS = ("auto", "emulated", "native")
+# FP8 tensor-core GEMMs (torch._scaled_mm / cuBLASLt) take K and N multiples of 16 only: the one home
+# of that rule. mixprec.select builds on it to leave such Linears in high precision.
+FP8_DIM_MULTIPLE = 16
 _MIN_K_BLOCK = 16  # smaller K-blocks than any kernel's (MX: 32, DeepSeek tiles: 128) count as columnwise
 
 
 # ---------------------------------------------------------------------------------------------------
-# Operand quantization (hot path)
-
-
-def scale_for(amax: torch.Tensor, fmt: Format, g: Granularity, margin: int = 0, power_of_two: bool = False):
-    """Scales from per-block amax, by the foundation's rules (E8M0 MX rule or amax / (max * 2^margin))."""
-    if g.scale_format == "e8m0":
-        return compute_mx_scale(amax, fmt, g.mx_rounding)
-    return compute_scale(amax, fmt, margin, power_of_two)
-
-
-def quantize_operand(
-    x: torch.Tensor,
-    fmt: str | Format,
-    granularity: Granularity | None = None,
-    *,
-    scale: torch.Tensor | None = None,
-    margin: int = 0,
-    power_of_two: bool = False,
-) -> QuantizedTensor:
-    """scaling.quantize with fewer memory passes, for torch FP8 dtypes (other formats: delegated).
-
-    bf16/fp16 inputs get one fp32 working copy (exact), reduced, divided and clamped in place. A given
-    `scale` must already be on the grid (callers on the hot path computed it), it is not validated. The payload is scaling.encode_cast(x / scale): the foundation's saturating cast.
-    """
-    fmt = get_format(fmt)
-    g = granularity or Granularity.tensor()
-    if fmt.torch_dtype is None or fmt.bits != 8 or x.dtype == torch.float64:
-        return quantize(x, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two)
-    from mixprec.kernels import native  # lazy: triton (if any) loads only on CUDA
-
-    if native.fused_quantize_applies(x, fmt, g):  # under torch.compile, or CUDA with triton
-        return native.quantize_fast(
-            x, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, validate=False
-        )
-    x2 = as_2d(x)
-    # bf16 / fp16: converted to fp32 first (exact), then reduced and divided in place. On the CPU,
-    # torch's mixed-dtype kernel (bf16 tensor / fp32 scale -> fp32) is scalar code, ~20x slower than
-    # the conversion plus an fp32 division, and its bf16 min/max over blocks of 32 or 128 is ~6x
-    # slower than over fp32 (both measured at [2048, 1024]); the amax of the exact copy is the same.
-    own = x2.dtype != torch.float32
-    work = x2.float() if own else x2
-    if scale is None:
-        scale = scale_for(block_amax(work, g), fmt, g, margin, power_of_two)
-    else:
-        scale = scale.reshape(g.scale_shape(*x2.shape)).float()
-    if own:
-        scaled = apply_blockwise(work, scale, g, torch.div, out=work)
-    else:
-        scaled = apply_blockwise(x2, scale, g, torch.div)
-    return QuantizedTensor(encode_cast(scaled, fmt, clamp_in_place=True), scale, fmt, g, x.shape)
+# Transposed operands
 
 
 def transpose_quantized(q: QuantizedTensor) -> QuantizedTensor:
@@ -115,45 +59,11 @@ def transpose_quantized(q: QuantizedTensor) -> QuantizedTensor:
     g = q.granularity
     if g.block_rows != g.block_cols or g.scale_format != "fp32":
         raise MixprecError(f"{g.name} scales change under transposition: re-quantize along the new K instead")
-    rows, cols = q.data.shape
-    shape = torch.Size((cols, rows))
+    t = as_transposed(q, g)
     values = getattr(q, "values", None)
     if values is not None:
-        return DecodedTensor(q.data.t(), _dense(q.scale.t()), q.fmt, g, shape, values.t())
-    return QuantizedTensor(q.data.t(), _dense(q.scale.t()), q.fmt, g, shape)
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """A row-major copy with canonical strides (contiguous() keeps odd strides of size-1 dims)."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-
-def quantize_transposed(
-    x2: torch.Tensor,
-    fmt: str | Format,
-    granularity: Granularity,
-    *,
-    scale: torch.Tensor | None = None,
-    margin: int = 0,
-    power_of_two: bool = False,
-) -> QuantizedTensor:
-    """The operand x2ᵀ quantized with `granularity` on the transposed [cols, rows] view.
-
-    Computed on x2's own layout with the transposed blocking (no copy of the wide input), then the
-    scales are transposed: bit-identical to quantize_operand(x2.t(), ...). The payload is a transposed
-    view (the emulation reads it as is; the native path makes it contiguous).
-    """
-    q = quantize_operand(
-        x2, fmt, granularity.transposed(), scale=scale, margin=margin, power_of_two=power_of_two
-    )
-    return as_transposed(q, granularity)
-
-
-def as_transposed(q: QuantizedTensor, granularity: Granularity) -> QuantizedTensor:
-    """The operand q.dataᵀ with `granularity` on the transposed view, from q quantized with
-    granularity.transposed() on its own layout (a payload view; the scales transposed)."""
-    rows, cols = q.data.shape
-    return QuantizedTensor(q.data.t(), _dense(q.scale.t()), q.fmt, granularity, torch.Size((cols, rows)))
+        return DecodedTensor(t.data, t.scale, t.fmt, g, t.shape, values.t())
+    return t
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,23 +95,12 @@ def check_operand(q: QuantizedTensor, what: str) -> None:
 # Emulation
 
 
-def _row_scales(q: QuantizedTensor, rows: int) -> torch.Tensor:
-    """Scales along rows only (K-constant operands), expanded to [rows, 1] or kept [1, 1]."""
-    s = q.scale
-    br = q.granularity.block_rows
-    if s.shape[0] == 1:
-        return s[:, :1]
-    if br in (None, 1):
-        return s
-    return s.repeat_interleave(br, dim=0)[:rows]
-
-
 def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
     """fp32 [rows, K] values: decoded payload times its block's scale (in place when blocks tile exactly)."""
     rows, cols = q.data.shape
     br, bc = q.granularity.block_shape(rows, cols)
     if torch.compiler.is_compiling():  # out of place, no data_ptr() (a graph break); same products
-        return decode(q.data, q.fmt) * _expand_scale(q.scale, br, bc, rows, cols)
+        return decode(q.data, q.fmt) * expand_scale(q.scale, q.granularity, rows, cols)
     # the CPU's E4M3 decode gives values * 2^-8 (formats.decode_unscaled): the 2^8 joins the scales,
     # exactly (a power of two), so each product is the same real number as decoded value * scale
     values, factor = decode_unscaled(q.data, q.fmt)
@@ -226,15 +125,6 @@ def _folded_scale(scale: torch.Tensor, factor: float) -> torch.Tensor | None:
         return scale
     folded = scale * factor
     return folded if bool(torch.isfinite(folded).all()) else None
-
-
-def _expand_scale(scale: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
-    """The scale grid repeated to one scale per element (broadcastable to [rows, cols])."""
-    if scale.shape[0] > 1 and br > 1:
-        scale = scale.repeat_interleave(br, dim=0)[:rows]
-    if scale.shape[1] > 1 and bc > 1:
-        scale = scale.repeat_interleave(bc, dim=1)[:, :cols]
-    return scale
 
 
 @dataclass(frozen=True)
@@ -273,7 +163,9 @@ def _emulated(
     # payload products accumulated in fp32, then the scales: what a tensorwise/rowwise kernel does
     (va, fa), (vb, fb) = _values_unscaled(a), _values_unscaled(b)
     vb = vb.t()
-    sa, sb = _row_scales(a, a.data.shape[0]), _row_scales(b, b.data.shape[0]).t()
+    # K-constant scales: one column, expanded along the rows to [rows, 1] (or kept [1, 1])
+    sa = expand_scale(a.scale, a.granularity, *a.data.shape)
+    sb = expand_scale(b.scale, b.granularity, *b.data.shape).t()
     # decoded values times 2^-8 (formats.decode_unscaled): exact, the sums scale with them (they stay
     # far above fp32's subnormals), so the power of two moves into a's scale, which multiplies the sums
     # first: every product below is the same real number as without it, bit-identically
@@ -319,8 +211,6 @@ def _capabilities():
     """hardware.detect(), memoized here too: dynamo traces through functools.cache into the probes
     (os.stat, subprocesses), a graph break; a list lookup it reads as a constant. Warm up eagerly."""
     if not _CAPABILITIES:
-        from mixprec.kernels.hardware import detect
-
         _CAPABILITIES.append(detect())
     return _CAPABILITIES[0]
 
@@ -340,6 +230,11 @@ def native_kind(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     ):
         return "blockwise"
     return None
+
+
+def fp8_gemm_dims_ok(k: int, n: int, multiple: int = FP8_DIM_MULTIPLE) -> bool:
+    """Whether FP8 GEMM kernels take a reduction dim K and output dim N (both multiples of `multiple`)."""
+    return k % multiple == 0 and n % multiple == 0
 
 
 def native_available(
@@ -364,16 +259,14 @@ def native_available(
             return False, "native MXFP8 GEMMs are not wired up yet (SM 10.0+, swizzled E8M0 scales)"
         k = a.data.shape[1]
         n = b.data.shape[0]
-        if k % 16 or n % 16:
-            return False, f"FP8 kernels need K and N multiples of 16 (K={k}, N={n})"
+        if not fp8_gemm_dims_ok(k, n):
+            return False, f"FP8 kernels need K and N multiples of {FP8_DIM_MULTIPLE} (K={k}, N={n})"
         if kind == "rowwise":
             if out_dtype != torch.bfloat16:
                 return False, f"{kind} FP8 kernels write bf16 outputs, not {out_dtype}"
             if a.fmt.name != "e4m3" or b.fmt.name != "e4m3":
                 return False, f"{kind} FP8 kernels take E4M3 operands"
         if kind == "blockwise":  # the probed torch kernel or the Triton one (mixprec.kernels.native)
-            from mixprec.kernels import native
-
             backend, why = native.blockwise_plan(a, b, out_dtype)
             return backend is not None, why
         return True, ""
@@ -406,8 +299,6 @@ def _native(
     if kind == "blockwise":
         # mixprec.kernels.native: the torch kernel with the scale layout its probe found (torch wants
         # [K/128, N/128]-shaped, column-major, padded scales, not our [N/128, K/128] grid), or Triton
-        from mixprec.kernels import native
-
         b = QuantizedTensor(b.data.contiguous(), b.scale, b.fmt, b.granularity, b.shape)
         out = native.native_gemm(a, b, out_dtype=out_dtype, bias=bias)
         if out is None:
@@ -475,16 +366,14 @@ def scaled_mm(
 
 __all__ = [
     "BACKENDS",
+    "FP8_DIM_MULTIPLE",
     "DecodedTensor",
-    "as_transposed",
     "check_operand",
     "dequantize_blockwise",
+    "fp8_gemm_dims_ok",
     "k_block",
     "native_available",
     "native_kind",
-    "quantize_operand",
-    "quantize_transposed",
-    "scale_for",
     "scaled_mm",
     "transpose_quantized",
     "will_emulate",

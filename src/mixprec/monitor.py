@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mixprec.errors import MixprecError
 from mixprec.formats import Format, get_format
 from mixprec.scaling import Granularity, apply_blockwise, as_2d
 
@@ -366,8 +367,6 @@ class PrecisionMonitor:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                from mixprec.errors import MixprecError
-
                 raise MixprecError(
                     "tensorboard_dir needs the 'report' extra: pip install 'mixprec[report]'"
                 ) from None

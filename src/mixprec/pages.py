@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.errors import MixprecError
+from mixprec.files import write_text_atomic
 
 
 @dataclass
@@ -32,7 +33,8 @@ class Section:
     images: list[tuple[str, bytes]] = field(default_factory=list)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed), or a MixprecError naming the extra."""
     try:
         import matplotlib
 
@@ -43,8 +45,9 @@ def _pyplot():
     return plt
 
 
-def _png(fig) -> bytes:
-    plt = _pyplot()
+def png_bytes(fig) -> bytes:
+    """The figure as PNG bytes (no timestamp metadata: the same plot gives the same bytes); closes it."""
+    plt = pyplot()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=96, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
@@ -65,7 +68,7 @@ def line_plot_png(
 ) -> bytes:
     """Overlaid lines {label: (x, y)} (labels in `dashed` drawn dashed); optional labelled horizontal
     lines and shaded bands (lo, hi)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     scale = 100.0 if percent else 1.0
     for label, (x, y) in series.items():
@@ -91,7 +94,7 @@ def line_plot_png(
     ax.grid(alpha=0.3)
     if series or bands:
         ax.legend(fontsize=7)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def heatmap_grid_png(
@@ -107,7 +110,7 @@ def heatmap_grid_png(
 ) -> bytes:
     """Heat maps (rows = ylabels, columns = xlabels) side by side with a shared colour scale.
     Missing cells are NaN and drawn blank."""
-    plt = _pyplot()
+    plt = pyplot()
     import numpy as np
 
     n = max(1, len(panels))
@@ -140,7 +143,7 @@ def heatmap_grid_png(
     fig.suptitle(title, fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=list(axes.flat), shrink=0.8, label=cbar_label)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def table_html(
@@ -193,15 +196,6 @@ def render_html(title: str, sections: Sequence[Section], subtitle: str = "") -> 
     return "\n".join(parts)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write via a temporary file in the same directory, then rename (never a half-written file)."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, p)
-    return p
-
-
 def write_html_report(
     out_dir: str | os.PathLike,
     title: str,
@@ -221,8 +215,9 @@ __all__ = [
     "heatmap_grid_png",
     "line_plot_png",
     "paragraph",
+    "png_bytes",
+    "pyplot",
     "render_html",
     "table_html",
     "write_html_report",
-    "write_text_atomic",
 ]

@@ -29,6 +29,10 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, E5M2, Format
 from mixprec.scaling import Granularity
 
+KINDS = ("fp32", "bf16", "bf16-amp", "fp16-amp", "fp8")
+"""What a recipe does to a model (`Recipe.kind`): fp32 / bf16 parameters, fp32 parameters under bf16 or
+fp16 autocast, or FP8 GEMMs (bf16 parameters). Training converts by kind; comparisons pick baselines and
+thresholds by kind."""
 ROLES = ("input", "weight", "grad_output")
 GEMMS = ("output", "grad_input", "grad_weight")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -71,7 +75,7 @@ class Fp8Recipe:
     """Shared behaviour of the FP8 recipes (a mixin for the frozen dataclasses below)."""
 
     name: ClassVar[str]
-    is_fp8: ClassVar[bool] = True
+    kind: ClassVar[str] = "fp8"
     delayed: ClassVar[bool] = False  # scales from earlier steps' amax (module buffers)
 
     def role_format(self, role: str) -> Format:
@@ -257,9 +261,10 @@ class UnscaledFp8(Fp8Recipe):
 
 
 class _HighPrecisionRecipe:
-    """What every non-FP8 recipe shares: not FP8, and a spec() that from_name() reads back."""
+    """What every non-FP8 recipe shares: a spec() that from_name() reads back."""
 
-    is_fp8: ClassVar[bool] = False
+    name: ClassVar[str]
+    kind: ClassVar[str]
 
     def spec(self) -> str:
         return _spec(self)
@@ -270,6 +275,7 @@ class Fp32Recipe(_HighPrecisionRecipe):
     """True fp32 training: the baseline (no TF32, no autocast)."""
 
     name: ClassVar[str] = "fp32"
+    kind: ClassVar[str] = "fp32"
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,7 @@ class Bf16Recipe(_HighPrecisionRecipe):
     master_weights: bool = True
     moments_dtype: str = "bf16"
     name: ClassVar[str] = "bf16"
+    kind: ClassVar[str] = "bf16"
 
     def __post_init__(self) -> None:
         if self.moments_dtype not in ("bf16", "fp32"):
@@ -290,6 +297,7 @@ class Bf16AmpRecipe(_HighPrecisionRecipe):
     """torch.autocast(dtype=bfloat16) around the forward; fp32 parameters and optimizer."""
 
     name: ClassVar[str] = "bf16-amp"
+    kind: ClassVar[str] = "bf16-amp"
 
 
 @dataclass(frozen=True)
@@ -301,6 +309,7 @@ class Fp16AmpRecipe(_HighPrecisionRecipe):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     name: ClassVar[str] = "fp16-amp"
+    kind: ClassVar[str] = "fp16-amp"
 
     def __post_init__(self) -> None:
         if not (self.init_scale > 0):
@@ -486,6 +495,7 @@ def _spec(recipe: object) -> str:
 
 __all__ = [
     "GEMMS",
+    "KINDS",
     "RECIPES",
     "ROLES",
     "Bf16AmpRecipe",

@@ -1,9 +1,11 @@
-"""Scaling: amax -> scale, and quantize / dequantize at every granularity.
+"""Scaling: which elements share a scale, amax -> scale, the scale grid, and QuantizedTensor.
 
 Convention (the one compressed-tensors checkpoints use): the scale is the DEQUANTIZATION multiplier,
     scale = amax / (fmt.max * 2**margin),   value ~= payload * scale,   payload = cast(x / scale).
-Quantization divides by the scale (never multiplies by a reciprocal), everywhere, so every code path
-(emulated, native, fused) produces bit-identical payloads.
+Quantization divides by the scale (never multiplies by a reciprocal), in every backend of
+mixprec.quantization, so they all produce bit-identical payloads. The pieces every backend shares
+live here, each written once: `scale_from_amax` (the amax -> scale rule), `expand_scale` (the scale
+grid repeated to one scale per element), `check_scale` (a given scale, validated onto the grid).
 
 A tensor is viewed as 2-D [rows, cols] (rows = product of the leading dims, cols = the last dim) and
 cut into blocks of `block_rows x block_cols`; `None` means the whole dimension. So per-tensor is
@@ -26,17 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec import formats as _formats  # _formats._torch_cast_saturates: looked up at call time
 from mixprec.errors import MixprecError
-from mixprec.formats import (
-    E8M0,
-    Format,
-    check_float_tensor,
-    decode,
-    encode,
-    get_format,
-    pow2,
-)
+from mixprec.formats import E8M0, Format, decode, encode, get_format, pow2
 
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
@@ -119,15 +112,6 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 0:
         return x.reshape(1, 1)
     return x.reshape(-1, x.shape[-1])
-
-
-def _blocked(x2: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    """[R, C] -> [nR, br, nC, bc], zero-padding the edge blocks (zeros change no amax)."""
-    rows, cols = x2.shape
-    pr, pc = (-rows) % br, (-cols) % bc
-    if pr or pc:
-        x2 = torch.nn.functional.pad(x2, (0, pc, 0, pr))
-    return x2.reshape(x2.shape[0] // br, br, x2.shape[1] // bc, bc)
 
 
 def _regions(rows: int, cols: int, br: int, bc: int):
@@ -238,16 +222,20 @@ def compute_mx_scale(amax: torch.Tensor, fmt: Format, rounding: str = "floor") -
     return pow2(k.clamp(E8M0.emin, E8M0.emax))
 
 
-def _scale_for(
-    x2: torch.Tensor, fmt: Format, g: Granularity, margin: int, power_of_two: bool
+def scale_from_amax(
+    amax: torch.Tensor, fmt: Format, g: Granularity, margin: int = 0, power_of_two: bool = False
 ) -> torch.Tensor:
-    amax = block_amax(x2, g)
+    """THE amax -> scale rule of every quantize backend: OCP MX's for E8M0 scales (compute_mx_scale,
+    margin and power_of_two do not apply), else amax / (fmt.max * 2^margin) (compute_scale)."""
     if g.scale_format == "e8m0":
         return compute_mx_scale(amax, fmt, g.mx_rounding)
     return compute_scale(amax, fmt, margin, power_of_two)
 
 
-def _check_scale(scale: torch.Tensor, grid: tuple[int, int], g: Granularity) -> torch.Tensor:
+def check_scale(scale: torch.Tensor | float, grid: tuple[int, int], g: Granularity) -> torch.Tensor:
+    """A given scale (delayed or static scaling) as fp32 on the scale grid: a number or one-element
+    tensor for a [1, 1] grid, a flat vector for a one-row or one-column grid; MixprecError for another
+    shape, or for a scale that is not finite and positive."""
     scale = torch.as_tensor(scale, dtype=torch.float32)
     if scale.numel() == 1 and grid == (1, 1):
         scale = scale.reshape(1, 1)
@@ -262,11 +250,30 @@ def _check_scale(scale: torch.Tensor, grid: tuple[int, int], g: Granularity) -> 
     return scale.float()
 
 
+def expand_scale(scale: torch.Tensor, g: Granularity, rows: int, cols: int) -> torch.Tensor:
+    """THE scale expansion: the scale grid of a [rows, cols] tensor repeated to one scale per element
+    (or kept broadcastable to it: [1, 1], [rows, 1], [1, cols]).
+
+    Traced code divides by it instead of apply_blockwise's block views (one broadcast op, which
+    torch.compile lowers well); the tiled backend applies it to one tile's part of the grid (tiles
+    start on block boundaries).
+    """
+    br, bc = g.block_shape(rows, cols)
+    if scale.shape[0] > 1 and br > 1:
+        scale = scale.repeat_interleave(br, dim=0)[:rows]
+    if scale.shape[1] > 1 and bc > 1:
+        scale = scale.repeat_interleave(bc, dim=1)[:, :cols]
+    return scale
+
+
 def apply_blockwise(
     x2: torch.Tensor, scale: torch.Tensor, g: Granularity, op, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """op(x, scale) with each block's scale broadcast over its elements; returns a new [R, C] tensor,
-    or writes into `out` (torch.div / torch.mul only; out may be x2 itself: in place)."""
+    """op(x, scale) for op torch.div or torch.mul, with each block's scale broadcast over its elements
+    (on block views, no expanded scale); returns a new [R, C] tensor, or writes into `out` (which may
+    be x2 itself: in place)."""
+    if op not in (torch.div, torch.mul):
+        raise ValueError("apply_blockwise applies torch.div or torch.mul")
     rows, cols = x2.shape
     if (
         g.block_rows in (None, 1)
@@ -275,11 +282,6 @@ def apply_blockwise(
     ):
         return op(x2, scale) if out is None else op(x2, scale, out=out)
     br, bc = g.block_shape(rows, cols)
-    if op not in (torch.div, torch.mul):  # any other op: on a zero-padded copy
-        if out is not None:
-            raise ValueError("apply_blockwise: out= is supported for torch.div and torch.mul only")
-        out = op(_blocked(x2, br, bc), scale[:, None, :, None])
-        return out.reshape(out.shape[0] * br, out.shape[2] * bc)[:rows, :cols]
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.promote_types(x2.dtype, scale.dtype), device=x2.device)
     for r0, r1, h, c0, c1, w in _regions(rows, cols, br, bc):
@@ -317,75 +319,17 @@ class QuantizedTensor:
         return self.data.numel() * self.data.element_size() + scale_bytes
 
 
-def quantize(
-    x: torch.Tensor,
-    fmt: str | Format,
-    granularity: Granularity | None = None,
-    *,
-    scale: torch.Tensor | None = None,
-    margin: int = 0,
-    power_of_two: bool = False,
-) -> QuantizedTensor:
-    """Quantize x (saturating) to `fmt` with one scale per block of `granularity` (default per-tensor).
-
-    scale=None computes scales from x's amax; a given scale (delayed or static scaling) is used as is
-    and must have the grid shape. The input is read, never modified; it is converted to fp32 first
-    (exact for bf16/fp16).
-    """
-    g = granularity or Granularity.tensor()
-    fmt = get_format(fmt)
-    check_float_tensor(x, "x")
-    if fmt.bits > 8 or fmt.special == "e8m0":
-        raise MixprecError(
-            f"{fmt.name} is not an element format to quantize to (use e4m3, e5m2, e3m2, e2m3, e2m1)"
-        )
-    if x.numel() == 0:
-        raise MixprecError(f"cannot quantize an empty tensor (shape {tuple(x.shape)})")
-    x2 = as_2d(x).float()
-    grid = g.scale_shape(*x2.shape)
-    if scale is None:
-        scale = _scale_for(x2, fmt, g, margin, power_of_two)
-    else:
-        scale = _check_scale(scale, grid, g)
-    scaled = apply_blockwise(x2, scale, g, torch.div)  # a new tensor: the payload cast may reuse it
-    data = _encode_scaled_inplace(scaled, fmt)
-    return QuantizedTensor(data, scale, fmt, g, x.shape)
+def as_transposed(q: QuantizedTensor, granularity: Granularity) -> QuantizedTensor:
+    """The operand q.dataᵀ with `granularity` on the transposed view, from q quantized with
+    granularity.transposed() on its own layout: a payload view, the scales transposed (no
+    re-quantization; bit-identical to quantizing the transposed tensor)."""
+    rows, cols = q.data.shape
+    return QuantizedTensor(q.data.t(), dense(q.scale.t()), q.fmt, granularity, torch.Size((cols, rows)))
 
 
-def _encode_scaled_inplace(scaled: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """encode_cast on a temporary of ours: clamps in place (clamp keeps NaN), one cast, no fp32 detour."""
-    if fmt.torch_dtype is not None:
-        # the cast probe runs on the CPU: elsewhere clamp explicitly (always correct)
-        if scaled.device.type != "cpu" or not _formats._torch_cast_saturates(fmt.torch_dtype):
-            scaled.clamp_(-fmt.max, fmt.max)
-        return scaled.to(fmt.torch_dtype)
-    return encode(scaled, fmt)  # rounds (saturating) and encodes in one pass over the codes
-
-
-def encode_cast(scaled: torch.Tensor, fmt: Format, *, clamp_in_place: bool = False) -> torch.Tensor:
-    """Saturating cast of already-scaled fp32 values straight to the payload dtype (input untouched,
-    unless clamp_in_place: then a caller's scratch tensor is clamped in place, saving a copy)."""
-    if fmt.torch_dtype is not None:
-        native_sat = scaled.device.type == "cpu" and _formats._torch_cast_saturates(fmt.torch_dtype)
-        if native_sat:
-            inside = scaled
-        elif clamp_in_place:
-            inside = scaled.clamp_(-fmt.max, fmt.max)
-        else:
-            inside = scaled.clamp(-fmt.max, fmt.max)
-        return inside.to(fmt.torch_dtype)
-    return encode(scaled, fmt)
-
-
-def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return q.dequantize(dtype)
-
-
-def fake_quantize(
-    x: torch.Tensor, fmt: str | Format, granularity: Granularity | None = None, **kw
-) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype: what a quantized operand contributes to a GEMM."""
-    return quantize(x, fmt, granularity, **kw).dequantize(x.dtype)
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy with canonical strides (contiguous() keeps odd strides of size-1 dims)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def quantization_snr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
@@ -402,12 +346,14 @@ __all__ = [
     "QuantizedTensor",
     "apply_blockwise",
     "as_2d",
+    "as_transposed",
     "block_amax",
+    "check_scale",
     "compute_mx_scale",
     "compute_scale",
-    "dequantize",
-    "fake_quantize",
+    "dense",
+    "expand_scale",
     "quantization_snr_db",
-    "quantize",
     "round_scale_up_to_power_of_two",
+    "scale_from_amax",
 ]

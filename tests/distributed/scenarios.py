@@ -66,8 +66,9 @@ def train(model, optimizer, steps, dp, *, start: int = 0, hooks=None, dtype=torc
         if not skip:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # reduces the amax rows over the ranks first (one all_reduce), unless asked not to
-        scaling_state.advance(unwrap(model), reduce_amax=hooks.get("reduce_amax", True))
+        # reduces the amax rows over the ranks first (one all_reduce: the reduction DataParallel.wrap
+        # registered), unless a hook names another reduction or none (False)
+        scaling_state.advance(unwrap(model), reduce=hooks.get("reduce"))
         losses.append(dp.mean(loss) if not skip else float("nan"))
         skipped.append(skip)
         if "after_step" in hooks:
@@ -147,7 +148,7 @@ def _count_amax_collectives(dp, model, opt) -> list[int]:
 
     dist.all_reduce = count
     try:
-        advance_scaling_state(unwrap(model))  # the amax reduction is on by default
+        advance_scaling_state(unwrap(model))  # the amax reduction dp.wrap registered runs by default
     finally:
         dist.all_reduce = real
     return calls
@@ -157,7 +158,7 @@ def scenario_ddp_delayed_without_reduction(rank, world, tmp):
     from mixprec.distributed import scales_agree, unwrap
 
     dp, model, opt = setup("fp8-delayed:history=16", "ddp")
-    out = train(model, opt, 2, dp, hooks={"reduce_amax": False})
+    out = train(model, opt, 2, dp, hooks={"reduce": False})
     out["agree"] = scales_agree(unwrap(model))
     return out
 
@@ -350,12 +351,13 @@ def scenario_plain_ddp(rank, world, tmp):
     """A DDP built without mixprec (as transformers.Trainer does) with AdamW(accumulate_grads_fp32=False)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from mixprec.distributed import DataParallel
+    from mixprec.distributed import DataParallel, reduce_amax
     from mixprec.training.optim import AdamW
 
     model = DistributedDataParallel(build("fp8-delayed:history=16"))
     opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, accumulate_grads_fp32=False)
-    out = train(model, opt, 3, DataParallel("ddp"))
+    # a DDP mixprec did not build registers no amax reduction: the loop passes it
+    out = train(model, opt, 3, DataParallel("ddp"), hooks={"reduce": reduce_amax})
     out["replicas_identical"] = replicas_identical(model)
     return out
 

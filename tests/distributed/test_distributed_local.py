@@ -16,6 +16,7 @@ from mixprec.distributed import (
     mean_across_ranks,
     rank,
     reduce_amax,
+    register_amax_reduction,
     save_checkpoint,
     shard_batch,
     should_skip_step,
@@ -55,6 +56,29 @@ def test_amax_tensors_are_the_current_rows_of_delayed_layers():
     assert rows[0].data_ptr() == model.inp.amax_history[0].data_ptr()
     assert amax_tensors(scenarios.build("fp8-current")) == []
     assert reduce_amax(model) == 0  # one process: nothing to reduce
+
+
+def test_the_amax_reduction_is_passed_in_or_registered_by_the_wrapping():
+    """training does not import distributed: advance() runs the reduction it is given, else the one the
+    data-parallel wrapping registered on the model (or on the module a DDP wraps); False runs none."""
+    from mixprec.training import advance_scaling_state, scaling_state
+
+    model = scenarios.build("fp8-delayed:history=16")
+    calls = []
+    assert scaling_state.advance(model, reduce=calls.append) == 2 and calls == [model]
+    assert scaling_state.amax_reduction(model) is None
+    register_amax_reduction(model)
+    assert scaling_state.amax_reduction(model).func is reduce_amax  # all_reduce(MAX), default group
+    scaling_state.use_amax_reduction(model, calls.append)
+    advance_scaling_state(model)
+    assert calls == [model, model]
+    advance_scaling_state(model, reduce=False)
+    assert calls == [model, model]
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # how DistributedDataParallel holds the model
+    assert scaling_state.amax_reduction(wrapper) is scaling_state.amax_reduction(model)
+    scaling_state.use_amax_reduction(model, None)
+    assert scaling_state.amax_reduction(model) is None
 
 
 def _steps(model, opt, start, n):

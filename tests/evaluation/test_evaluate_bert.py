@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from mixprec.cli import main
 from mixprec.evaluation import evaluate
-from mixprec.evaluation.samples import Tokenizer, embed_samples, read_documents
+from mixprec.evaluation.samples import embed_samples, read_documents
+from mixprec.hf import Tokenizer
 
 
 def test_embed_cli_against_itself(eval_env, tmp_path):

@@ -14,9 +14,11 @@ from mixprec.cli import main
 from mixprec.errors import MixprecError
 from mixprec.evaluation import Gates, evaluate
 from mixprec.evaluation.gates import check_gates
-from mixprec.evaluation.samples import Tokenizer, lm_blocks, read_documents
+from mixprec.evaluation.samples import read_documents
 from mixprec.formats import E4M3
-from mixprec.scaling import Granularity, fake_quantize
+from mixprec.hf import Tokenizer, lm_blocks
+from mixprec.quantization import fake_quantize
+from mixprec.scaling import Granularity
 
 SAMPLES, SEQ = 8, 32
 

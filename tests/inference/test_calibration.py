@@ -18,7 +18,8 @@ from mixprec.inference.calibration import (
     calibrate,
     load_texts,
 )
-from mixprec.scaling import Granularity, compute_scale, fake_quantize
+from mixprec.quantization import fake_quantize
+from mixprec.scaling import Granularity, compute_scale
 
 # ---- observers -------------------------------------------------------------------------------------
 
@@ -96,7 +97,9 @@ def test_texts_from_jsonl_with_text_field(tmp_path):
     p.write_text(json.dumps({"text": "one", "id": 1}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
     assert load_texts(p) == ["one", "two"]
     p.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
-    with pytest.raises(MixprecError, match=r"data\.jsonl:2: each line must be a JSON object with a 'text'"):
+    with pytest.raises(
+        MixprecError, match=r'data\.jsonl:2: each line must be a JSON object with a string "text"'
+    ):
         load_texts(p)
 
 

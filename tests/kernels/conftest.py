@@ -1,8 +1,8 @@
 """Kernel tests: on a machine without CUDA the Triton kernels run in Triton's interpreter.
 
-TRITON_INTERPRET must be set before triton decorates the kernels (at import of
-mixprec.kernels.triton_quant / triton_blockwise_gemm), so it is set here, at collection, and only
-when there is no CUDA device (on a GPU the same tests compile the kernels for real).
+TRITON_INTERPRET must be set before triton is first imported (it decorates triton.language's helpers
+then), so tests/conftest.py sets it, only when there is no CUDA device (on a GPU the same tests compile
+the kernels for real).
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
-
-if HAS_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """torch.compile on converted layers: no graph breaks in the FP8 Linear hot path (CPU, tracing backends).
 
-mixprec.gemm.quantize_operand runs mixprec.kernels.traceable under torch.compile, and the emulated GEMM
+mixprec.quantization.quantize picks its traceable backend under torch.compile, and the emulated GEMM
 has no data-dependent Python there (no float(scale), no data_ptr()), so forward and backward compile
 with fullgraph=True for every FP8 recipe and give the eager results (bit for bit where the compiled
 graph runs the same ops; per-tensor scaling multiplies by the scale tensor instead of BLAS alpha).

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from mixprec.scaling import Granularity, QuantizedTensor, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity, QuantizedTensor
 
 G = Granularity
 DRY_RUN = os.environ.get("MIXPREC_GPU_TESTS_ON_CPU") == "1" and not torch.cuda.is_available()
@@ -68,38 +69,34 @@ def _assert_same(cpu_q: QuantizedTensor, gpu_q: QuantizedTensor, what: str) -> N
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("g", GRANULARITIES, ids=lambda g: g.name)
 def test_fused_quantize_matches_cpu(dev, fmt, g):
-    from mixprec.kernels.triton_quant import fused_quantize
-
     x = _data(_size(1000, 40), _size(4160, 300))  # not multiples of the blocks: edge blocks
     for dtype in (torch.float32, torch.bfloat16):
-        ref = quantize(x.to(dtype), fmt, g)  # the CPU path
-        got = fused_quantize(x.to(dtype).to(dev), fmt, g)
+        ref = quantize(x.to(dtype), fmt, g, backend="eager")  # the CPU path
+        got = quantize(x.to(dtype).to(dev), fmt, g, backend="triton")
         _assert_same(ref, got, f"{fmt} {g.name} {dtype}")
 
 
 def test_fused_quantize_options_and_given_scales(dev):
-    from mixprec.kernels.triton_quant import fused_quantize
-
     x = _data(_size(512, 40), _size(2048, 300), seed=1)
     for g in (G.tensor(), G.rows(), G.blocks(1, 128), G.blocks(128, 128)):
         for kw in ({"power_of_two": True}, {"margin": 1}):
             _assert_same(
-                quantize(x, "e4m3", g, **kw), fused_quantize(x.to(dev), "e4m3", g, **kw), f"{g.name} {kw}"
+                quantize(x, "e4m3", g, **kw),
+                quantize(x.to(dev), "e4m3", g, backend="triton", **kw),
+                f"{g.name} {kw}",
             )
         s = quantize(x, "e4m3", g).scale * 1.5
         _assert_same(
             quantize(x, "e4m3", g, scale=s),
-            fused_quantize(x.to(dev), "e4m3", g, scale=s.to(dev)),
+            quantize(x.to(dev), "e4m3", g, scale=s.to(dev), backend="triton"),
             f"{g.name} given",
         )
 
 
-def test_quantize_fast_matches_cpu(dev):
-    from mixprec.kernels.native import quantize_fast
-
+def test_auto_quantize_matches_cpu(dev):
     x = _data(_size(256, 32), _size(1024, 256), seed=2).bfloat16()
     for g in (G.tensor(), G.rows(), G.blocks(1, 128), G.blocks(128, 128), G.mx(32)):
-        _assert_same(quantize(x, "e4m3", g), quantize_fast(x.to(dev), "e4m3", g), g.name)
+        _assert_same(quantize(x, "e4m3", g), quantize(x.to(dev), "e4m3", g), g.name)
 
 
 @pytest.mark.skipif(DRY_RUN, reason="Inductor's CPU code generation is not what runs on the GPU")
@@ -109,7 +106,7 @@ def test_compiled_quantize_matches_cpu(dev):
     x = _data(1000, 4160, seed=3)
     for g in (G.rows(), G.blocks(1, 128), G.blocks(128, 128), G.mx(32)):
         fn = compiled_quantize("e4m3", g)
-        data, scale = fn(x.to(dev))
+        data, scale, _ = fn(x.to(dev), None)
         ref = quantize(x, "e4m3", g)
         what = f"compiled {g.name} (division option: {division_rounding_option() or 'none'})"
         _assert_same(ref, QuantizedTensor(data, scale, ref.fmt, g, ref.shape), what)

@@ -1,4 +1,5 @@
-"""quantize_traceable: bit-identical to scaling.quantize, and torch.compile traces it with no graph break."""
+"""The traceable backend: bit-identical to the eager one, and torch.compile traces the quantize entry
+(which picks it there) with no graph break."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.kernels.compiled import assert_compiles_fullgraph, graph_break_report
-from mixprec.kernels.traceable import quantize_traceable
-from mixprec.scaling import Granularity, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity
 
 G = Granularity
 GRANULARITIES = [
@@ -44,26 +45,34 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("g", GRANULARITIES, ids=lambda g: g.name)
 def test_eager_bit_identical(fmt, g):
     x = _awkward()
-    assert _same(quantize(x, fmt, g), quantize_traceable(x, fmt, g))
-    assert _same(quantize(x.bfloat16(), fmt, g), quantize_traceable(x.bfloat16(), fmt, g))
+
+    def traceable(t, **kw):
+        return quantize(t, fmt, g, backend="traceable", **kw)
+
+    assert _same(quantize(x, fmt, g, backend="eager"), traceable(x))
+    assert _same(quantize(x.bfloat16(), fmt, g, backend="eager"), traceable(x.bfloat16()))
     if g.scale_format == "fp32":
         for kw in ({"power_of_two": True}, {"margin": 2}):
-            assert _same(quantize(x, fmt, g, **kw), quantize_traceable(x, fmt, g, **kw))
+            assert _same(quantize(x, fmt, g, backend="eager", **kw), traceable(x, **kw))
         s = quantize(x, fmt, g).scale * 2
-        assert _same(quantize(x, fmt, g, scale=s), quantize_traceable(x, fmt, g, scale=s))
+        assert _same(quantize(x, fmt, g, backend="eager", scale=s), traceable(x, scale=s))
 
 
-def test_refuses_formats_without_a_torch_dtype():
-    with pytest.raises(MixprecError):
-        quantize_traceable(torch.randn(4, 32), "e2m1", G.mx(32))
+def test_refuses_nan_in_formats_without_a_nan_code():
+    x = torch.randn(4, 32)
+    x[1, 2] = math.nan
+    with pytest.raises(MixprecError, match="NaN"):
+        quantize(x, "e2m1", G.mx(32), backend="traceable")
 
 
 def test_no_graph_breaks_and_fullgraph():
     def fn(x):
         outs = []
         for g in (G.tensor(), G.rows(), G.blocks(1, 128), G.blocks(128, 128), G.mx(32)):
-            q = quantize_traceable(x, "e4m3", g)
+            q = quantize(x, "e4m3", g)  # the entry picks the traceable backend under torch.compile
             outs += [q.data, q.scale]
+        s = torch.full((1, 1), 0.5)
+        outs.append(quantize(x, "e4m3", scale=s).data)  # a given scale: not validated in a graph
         return outs
 
     x = _awkward(1)
@@ -81,7 +90,9 @@ def test_no_graph_breaks_and_fullgraph():
     )
 
 
-def test_scaling_quantize_itself_breaks_the_graph():
-    """Why quantize_traceable exists: the foundation's quantize asks data-dependent questions."""
-    report = graph_break_report(lambda x: quantize(x, "e4m3", G.rows()).data, torch.randn(8, 64))
+def test_the_eager_backend_breaks_the_graph():
+    """Why the traceable backend exists: the eager one asks data-dependent questions."""
+    report = graph_break_report(
+        lambda x: quantize(x, "e4m3", G.rows(), backend="eager").data, torch.randn(8, 64)
+    )
     assert report["graph_breaks"] >= 1

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.scaling import Granularity, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity
 
 G = Granularity
 

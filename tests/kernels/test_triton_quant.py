@@ -1,4 +1,4 @@
-"""Fused Triton quantization is bit-identical to mixprec.scaling.quantize (interpreter on CPU, GPU on CUDA)."""
+"""The triton backend of the quantize entry is bit-identical to the eager one (interpreter on CPU, GPU on CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.scaling import Granularity, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity
 
 G = Granularity
 GRANULARITIES = [
@@ -44,6 +45,14 @@ def _awkward(rows: int, cols: int, device: str, seed: int = 0) -> torch.Tensor:
     return x.to(device)
 
 
+def _eager(x, fmt, g=None, **kw):
+    return quantize(x, fmt, g, backend="eager", **kw)
+
+
+def _triton(x, fmt, g=None, **kw):
+    return quantize(x, fmt, g, backend="triton", **kw)
+
+
 def _assert_same(a, b):
     assert torch.equal(a.scale.cpu(), b.scale.cpu()), "scales differ"
     assert torch.equal(a.data.cpu().view(torch.uint8), b.data.cpu().view(torch.uint8)), "payloads differ"
@@ -52,11 +61,11 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("g", GRANULARITIES, ids=lambda g: g.name)
-def test_bit_identical_to_scaling_quantize(tq, kernel_device, fmt, g):
+def test_bit_identical_to_the_eager_backend(tq, kernel_device, fmt, g):
     x = _awkward(37, 300, kernel_device)
-    _assert_same(quantize(x, fmt, g), tq.fused_quantize(x, fmt, g))
+    _assert_same(_eager(x, fmt, g), _triton(x, fmt, g))
     xb = x.bfloat16()
-    _assert_same(quantize(xb, fmt, g), tq.fused_quantize(xb, fmt, g))
+    _assert_same(_eager(xb, fmt, g), _triton(xb, fmt, g))
 
 
 @pytest.mark.parametrize(
@@ -65,22 +74,22 @@ def test_bit_identical_to_scaling_quantize(tq, kernel_device, fmt, g):
 @pytest.mark.parametrize("kw", [{"power_of_two": True}, {"margin": 2}], ids=["pow2", "margin2"])
 def test_scale_options(tq, kernel_device, g, kw):
     x = _awkward(37, 300, kernel_device, seed=1)
-    _assert_same(quantize(x, "e4m3", g, **kw), tq.fused_quantize(x, "e4m3", g, **kw))
+    _assert_same(_eager(x, "e4m3", g, **kw), _triton(x, "e4m3", g, **kw))
 
 
 def test_given_scales_and_long_rows(tq, kernel_device):
     x = _awkward(37, 300, kernel_device, seed=2)
-    s = quantize(x, "e4m3", G.rows()).scale * 3
-    _assert_same(quantize(x, "e4m3", G.rows(), scale=s), tq.fused_quantize(x, "e4m3", G.rows(), scale=s))
+    s = _eager(x, "e4m3", G.rows()).scale * 3
+    _assert_same(_eager(x, "e4m3", G.rows(), scale=s), _triton(x, "e4m3", G.rows(), scale=s))
     t = torch.tensor(0.5)
-    _assert_same(quantize(x, "e5m2", scale=t), tq.fused_quantize(x, "e5m2", scale=t))
+    _assert_same(_eager(x, "e5m2", scale=t), _triton(x, "e5m2", scale=t))
     long_rows = torch.randn(3, tq.SUB_TILE + 900, device=kernel_device)  # one program, two pieces per row
     wide = torch.randn(
         2, tq.MAX_TILE + 300, device=kernel_device
     )  # rows wider than one program: amax then cast
     for t in (long_rows, wide):
         for g in (G.rows(), G.tensor()):
-            _assert_same(quantize(t, "e4m3", g), tq.fused_quantize(t, "e4m3", g))
+            _assert_same(_eager(t, "e4m3", g), _triton(t, "e4m3", g))
 
 
 def test_tiny_amax_edge_cases(tq, kernel_device):
@@ -95,19 +104,19 @@ def test_tiny_amax_edge_cases(tq, kernel_device):
         (G.mx(32), {}),
         (G.mx(32, rounding="rceil"), {}),
     ]:
-        _assert_same(quantize(t, "e4m3", g, **kw), tq.fused_quantize(t, "e4m3", g, **kw))
+        _assert_same(_eager(t, "e4m3", g, **kw), _triton(t, "e4m3", g, **kw))
 
 
 def test_shapes_and_dtypes(tq, kernel_device):
     x3 = torch.randn(2, 3, 64, device=kernel_device)
-    _assert_same(quantize(x3, "e4m3", G.blocks(1, 32)), tq.fused_quantize(x3, "e4m3", G.blocks(1, 32)))
+    _assert_same(_eager(x3, "e4m3", G.blocks(1, 32)), _triton(x3, "e4m3", G.blocks(1, 32)))
     xt = torch.randn(64, 48, device=kernel_device).t()  # non-contiguous
-    _assert_same(quantize(xt, "e4m3", G.columns()), tq.fused_quantize(xt, "e4m3", G.columns()))
+    _assert_same(_eager(xt, "e4m3", G.columns()), _triton(xt, "e4m3", G.columns()))
     x64 = torch.randn(8, 32, dtype=torch.float64, device=kernel_device)
-    _assert_same(quantize(x64, "e4m3", G.rows()), tq.fused_quantize(x64, "e4m3", G.rows()))
+    _assert_same(_eager(x64, "e4m3", G.rows()), _triton(x64, "e4m3", G.rows()))
     x = torch.randn(8, 32, device=kernel_device)
     before = x.clone()
-    tq.fused_quantize(x, "e4m3", G.rows())
+    _triton(x, "e4m3", G.rows())
     assert torch.equal(x, before)  # input untouched
 
 
@@ -116,6 +125,6 @@ def test_refusals(tq, kernel_device):
     assert tq.unsupported_reason(x, "e2m1", G.mx(32)) is not None
     assert tq.unsupported_reason(x, "e4m3", G.blocks(1, 96)) is not None
     with pytest.raises(MixprecError):
-        tq.fused_quantize(x, "e4m3", G.blocks(1, 96))
+        _triton(x, "e4m3", G.blocks(1, 96))
     with pytest.raises(MixprecError):
-        tq.fused_quantize(torch.empty(0, 8, device=kernel_device), "e4m3")
+        _triton(torch.empty(0, 8, device=kernel_device), "e4m3")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.scaling import Granularity, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity
 from mixprec.training.weight_cache import cache_of, install_step_hook, invalidate_all
 
 

@@ -13,7 +13,8 @@ from mixprec.formats import E4M3
 from mixprec.onnx import export_onnx, quantize_onnx
 from mixprec.onnx.common import load_model
 from mixprec.onnx.inputs import load_calib_inputs
-from mixprec.scaling import Granularity, fake_quantize
+from mixprec.quantization import fake_quantize
+from mixprec.scaling import Granularity
 from onnx import TensorProto
 
 WORDS = [

@@ -12,7 +12,8 @@ from mixprec.cli import main
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.onnx import quantize_onnx
-from mixprec.scaling import Granularity, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity
 from onnx import TensorProto, helper, numpy_helper
 
 BOUND_WEIGHT_ONLY = 2**-4  # relative L2 error of the outputs, weights in FP8

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixprec.formats import E4M3, E5M2
+from mixprec.quantization import quantize
 from mixprec.training import scaling_state
 from mixprec.training.fp8_linear import Fp8Linear
 
@@ -205,8 +206,6 @@ def test_gemms_after_an_advance_use_the_history_scales_and_saturate_like_the_ref
     """Step 2 quantizes with the scales of step 1's amax (delayed), not its own: an input twice as large
     as before saturates at E4M3's max. All three GEMMs against an fp64 GEMM of the operands quantized by
     the foundation's quantize() with exactly those scales."""
-    from mixprec.scaling import quantize
-
     layer = _layer("fp8-delayed:history=4", seed=5)
     _micro_batch(layer, amp_x=2.0, amp_dy=0.5, seed=7)
     layer.advance_scaling()

@@ -9,8 +9,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.kernels.hardware import detect
+from mixprec.quantization import quantize
 from mixprec.recipes import from_name
-from mixprec.scaling import quantization_snr_db, quantize
+from mixprec.scaling import quantization_snr_db
 from mixprec.training.fp8_linear import Fp8Linear
 
 RECIPES = [

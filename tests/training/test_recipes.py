@@ -9,6 +9,7 @@ from mixprec import recipes
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, E5M2
 from mixprec.gemm import check_operand
+from mixprec.quantization import quantize
 from mixprec.recipes import (
     GEMMS,
     Bf16AmpRecipe,
@@ -23,7 +24,7 @@ from mixprec.recipes import (
     UnscaledFp8,
     from_name,
 )
-from mixprec.scaling import Granularity, quantize
+from mixprec.scaling import Granularity
 
 FP8_NAMES = ["fp8-delayed", "fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8", "fp8-unscaled"]
 
@@ -149,8 +150,13 @@ def test_every_operand_layout_is_one_a_kernel_runs(name, gen):
     assert "grad_weight" in r.describe()
 
 
-def test_non_fp8_recipes_are_marked():
-    assert all(from_name(n).is_fp8 for n in FP8_NAMES)
-    assert not any(from_name(n).is_fp8 for n in ("fp32", "bf16", "bf16-amp", "fp16-amp"))
+def test_each_recipe_carries_its_kind():
+    assert all(from_name(n).kind == "fp8" for n in FP8_NAMES)
+    assert {n: from_name(n).kind for n in ("fp32", "bf16", "bf16-amp", "fp16-amp")} == {
+        "fp32": "fp32", "bf16": "bf16", "bf16-amp": "bf16-amp", "fp16-amp": "fp16-amp"
+    }  # fmt: skip
+    assert {cls.kind for cls in recipes.RECIPES.values()} == set(recipes.KINDS)
+    assert from_name("fp8-delayed:e4m3").kind == DelayedScaling.kind == "fp8"  # a class attribute
+    assert not any(hasattr(cls, "is_fp8") for cls in recipes.RECIPES.values())
     with pytest.raises(MixprecError, match="GEMM"):
         DelayedScaling().gemm_layout("attention")

@@ -50,7 +50,7 @@ def test_trainer_trains_and_advances_once_per_optimizer_step(tmp_path, recipe):
 
         real = ss.advance
         ss_patch = pytest.MonkeyPatch()
-        ss_patch.setattr(ss, "advance", lambda m: (calls.append(1), real(m)))
+        ss_patch.setattr(ss, "advance", lambda m, **kw: (calls.append(1), real(m, **kw)))
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,

@@ -1,19 +1,35 @@
-"""`mixprec compare`: train under several recipes from the same weights and data order, and judge them."""
+"""`mixprec compare`: train under several recipes from the same weights and data order, and judge them.
+
+Under torchrun (`torchrun --nproc-per-node N $(which mixprec) compare ...`, or `-m mixprec compare`) it
+runs data-parallel: every rank trains on its slice of every global batch, rank 0 alone prints and
+writes --out (mixprec.commands.torchrun, docs/distributed.md).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+from mixprec.commands import extras, torchrun
+from mixprec.comparison.config import DEFAULT_RECIPES, DEFAULT_THRESHOLDS, CompareConfig, parse_fraction
+from mixprec.comparison.outdir import stored_config
+from mixprec.comparison.runner import compare
+from mixprec.distributed.prepare import DataParallel
+from mixprec.distributed.world import broadcast_object, is_main_process
+from mixprec.errors import MixprecError
 
 NAME = "compare"
 HELP = (
     "train one model under several precision recipes (same weights, same data order) and judge the loss gaps"
 )
+TORCHRUN = True  # runs data-parallel under torchrun (mixprec.cli lets it through)
+# options that say how to run, not what to compare: a `--resume` with them alone takes the stored settings
+HOW_TO_RUN = ("out", "resume", "force", "no_progress", "dp", "check_replicas")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mixprec.comparison.config import DEFAULT_RECIPES, DEFAULT_THRESHOLDS
-
     parser.add_argument(
         "--recipes",
         default=",".join(DEFAULT_RECIPES),
@@ -96,12 +112,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the interrupted comparison in --out")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help='JSON object of further CompareConfig fields (e.g. \'{"model_config": {"hidden_size": 64}}\')',
+    )
+    dp = parser.add_argument_group("data parallelism, under torchrun")
+    dp.add_argument(
+        "--dp",
+        choices=("ddp", "fsdp2"),
+        default="ddp",
+        help="data-parallel wrapping (default: ddp; a single process wraps nothing)",
+    )
+    dp.add_argument(
+        "--check-replicas",
+        action="store_true",
+        help="keep the trained models and check that every rank holds bit-identical weights and FP8 scales "
+        "(exit 1 if not)",
+    )
 
 
-def config_from_args(args: argparse.Namespace, **overrides):
-    from mixprec.comparison.config import CompareConfig, parse_fraction
-    from mixprec.errors import MixprecError
+def settings_from_args(args: argparse.Namespace) -> dict:
+    """The --settings JSON object (further CompareConfig fields), {} without it."""
+    if not args.settings:
+        return {}
+    try:
+        settings = json.loads(args.settings)
+    except json.JSONDecodeError as exc:
+        raise MixprecError(f"--settings is not a JSON object: {exc}") from None
+    if not isinstance(settings, dict):
+        raise MixprecError("--settings must be a JSON object")
+    return settings
 
+
+def config_from_args(args: argparse.Namespace, **overrides) -> CompareConfig:
     recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
     if not recipes:
         raise MixprecError("--recipes is empty")
@@ -118,7 +162,10 @@ def config_from_args(args: argparse.Namespace, **overrides):
         model_dir=args.model, data=args.data, tokenizer=args.tokenizer, device=args.device,
     )  # fmt: skip
     settings.update(overrides)
-    return CompareConfig(**settings)
+    try:
+        return CompareConfig(**settings)
+    except TypeError as exc:  # an unknown field from --settings
+        raise MixprecError(f"--settings: {exc}") from None
 
 
 def print_summary(summary) -> None:
@@ -162,23 +209,50 @@ def print_summary(summary) -> None:
         console.print(f"report: {summary.report_path}")
 
 
+def check_extras(args: argparse.Namespace) -> None:
+    """The optional packages this comparison needs, before any work (mixprec.commands.extras)."""
+    needs = {"transformers": "the model"}
+    if args.tokenizer is None:
+        needs["tokenizers"] = "the tokenizer trained on the spot (or pass --tokenizer DIR)"
+    if args.out:
+        needs["matplotlib"] = "the plots of report.html in --out"
+    extras.require(NAME, needs)
+
+
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from mixprec.comparison.outdir import stored_config
-    from mixprec.comparison.runner import compare
-
-    config = config_from_args(args)
+    check_extras(args)
+    config = config_from_args(args, **settings_from_args(args))
     if args.resume and args.out:
         stored = stored_config(Path(args.out))
         # settings not given again on the command line are taken from the interrupted run
-        if stored != config:
-            config = stored if _is_default_invocation(args) else config
-    summary = compare(
-        config=config, out=args.out, resume=args.resume, force=args.force, progress=not args.no_progress
-    )
-    print_summary(summary)
-    return summary.exit_code
+        if stored != config and _is_default_invocation(args):
+            config = stored
+    with torchrun.session() as world:
+        torchrun.check_batch(config.batch_size, world)
+        summary = compare(
+            config=config,
+            out=args.out,
+            resume=args.resume,
+            force=args.force,
+            progress=not args.no_progress and is_main_process(),
+            prepare=DataParallel(args.dp if world > 1 else "none"),
+            keep_models=config.recipes if args.check_replicas else (),
+        )
+        if is_main_process():
+            print_summary(summary)
+        # the verdict is rank 0's (its summary is the one printed and written; the precision statistics
+        # are each rank's own): every rank exits with it
+        code = broadcast_object(summary.exit_code)
+        if args.check_replicas:
+            differ = [
+                name for name, m in summary.trained_models.items() if not torchrun.replicas_identical(m)
+            ]
+            if is_main_process():
+                print(
+                    f"replicas: {'DIFFER for ' + ', '.join(differ) if differ else 'identical'} on {world} ranks"
+                )
+            code = 1 if differ else code
+    return code
 
 
 def _is_default_invocation(args: argparse.Namespace) -> bool:
@@ -186,8 +260,4 @@ def _is_default_invocation(args: argparse.Namespace) -> bool:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     defaults = vars(parser.parse_args([]))
-    return all(
-        getattr(args, k) == v
-        for k, v in defaults.items()
-        if k not in ("out", "resume", "force", "no_progress")
-    )
+    return all(getattr(args, k) == v for k, v in defaults.items() if k not in HOW_TO_RUN)

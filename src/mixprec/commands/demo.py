@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+
+from mixprec.commands import extras
+from mixprec.commands.compare import print_summary
+from mixprec.demo import run_demo
+
 NAME = "demo"
 HELP = "compare fp32/bf16/fp8 training of a small built-in Llama, quantize the result to FP8 and evaluate it"
 
@@ -18,11 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from mixprec.commands.compare import print_summary
-    from mixprec.demo import run_demo
-
+    extras.require(
+        NAME,
+        {
+            "transformers": "the built-in model and the FP8 evaluation",
+            "tokenizers": "the tokenizer trained on the spot",
+            "matplotlib": "the plots of the report",
+        },
+    )
     result = run_demo(args.out, force=args.force, progress=not args.no_progress, steps=args.steps)
     print_summary(result.training)
     console = Console()

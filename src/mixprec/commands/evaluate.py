@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mixprec.commands import extras
 from mixprec.errors import MixprecError
+from mixprec.evaluation import Gates, evaluate, parse_memory_saving, write_report
+from mixprec.evaluation.gates import parse_fraction
+from mixprec.files import check_new_output
 
 NAME = "evaluate"
 HELP = (
@@ -69,16 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    if args.json and Path(args.json).exists() and not args.force:
-        raise MixprecError(f"--json {args.json} exists (use --force to overwrite)")
+    if args.json:
+        check_new_output(args.json, args.force, label="--json")
     if args.out and (Path(args.out) / "report.html").exists() and not args.force:
         raise MixprecError(f"--out {args.out} already holds a report (use --force to overwrite)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from mixprec.evaluation import Gates, evaluate, parse_memory_saving, write_report
-    from mixprec.evaluation.gates import parse_fraction
+def check_extras(args: argparse.Namespace) -> None:
+    """The optional packages this evaluation needs, before any model is loaded (mixprec.commands.extras)."""
+    needs = {"transformers": "loading the models"}
+    if args.task and "generate" in args.task:
+        needs.update(sacrebleu="BLEU of --task generate", rouge_score="ROUGE-L of --task generate")
+    if args.out:
+        needs["matplotlib"] = "the plots of the --out report"
+    extras.require(NAME, needs)
 
+
+def run(args: argparse.Namespace) -> int:
+    check_extras(args)
     _check_outputs(args)
     # Parse thresholds before any model is loaded: a typo is a bad input (exit 2), not a failed gate.
     if args.min_memory_saving is not None:

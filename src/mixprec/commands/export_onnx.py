@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from mixprec.onnx.export import export_onnx
+
 NAME = "export-onnx"
 HELP = "export a model directory to ONNX (torch's exporter, opset >= 19), ready for quantize-onnx"
 
@@ -19,7 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.onnx.export import export_onnx
 
     report = export_onnx(args.model, args.output, opset=args.opset, seq_len=args.seq_len, force=args.force)
     print(

@@ -6,16 +6,17 @@ import argparse
 import json
 
 from mixprec.errors import MixprecError
+from mixprec.formats import E4M3, get_format
+from mixprec.inference.calibration import OBSERVERS
+from mixprec.inference.layouts import LAYOUTS
+from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE, quantize_checkpoint
+from mixprec.inference.schemes import SCHEMES
 
 NAME = "quantize"
 HELP = "quantize a local Hugging Face safetensors checkpoint to FP8 (compressed-tensors or HF fp8 layout)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mixprec.inference.calibration import OBSERVERS
-    from mixprec.inference.layouts import LAYOUTS
-    from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE
-    from mixprec.inference.schemes import SCHEMES
 
     parser.add_argument("--model", required=True, help="input model directory (config.json + safetensors)")
     parser.add_argument(
@@ -45,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ignore", nargs="+", default=[], metavar="PATTERN",
         help="module names kept in high precision, added to the defaults (lm_head, embeddings, norms, "
-        "MoE routers); 're:<regex>', globs, or dotted name parts",
+        "MoE routers), each with everything below it: dotted name parts the name ends with, globs, or "
+        "'re:<regex>' matched from the start of the name (as vLLM reads it)",
     )  # fmt: skip
     parser.add_argument(
         "--no-default-ignore", action="store_true", help="do not add the default ignore patterns"
@@ -67,8 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.formats import E4M3, get_format
-    from mixprec.inference.offline import quantize_checkpoint
 
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")

@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from mixprec.errors import MixprecError
+from mixprec.files import check_new_output, write_json_atomic
+from mixprec.onnx.common import load_model
+from mixprec.onnx.inputs import load_calib_inputs
+from mixprec.onnx.quantize import DEFAULT_EXCLUDE, quantize_onnx
 
 NAME = "quantize-onnx"
 HELP = "convert an ONNX model to FP8 E4M3 QuantizeLinear/DequantizeLinear and check it with onnxruntime"
@@ -38,14 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.onnx.common import load_model
-    from mixprec.onnx.inputs import load_calib_inputs
-    from mixprec.onnx.quantize import DEFAULT_EXCLUDE, quantize_onnx
 
     if args.max_error is not None and args.no_check:
         raise MixprecError("--max-error needs the check (drop --no-check)")
-    if args.json and Path(args.json).exists() and not args.force:
-        raise MixprecError(f"--json {args.json} exists (use --force to overwrite)")
+    if args.json:
+        check_new_output(args.json, args.force, label="--json")
     calib = None
     if args.calib_data:
         calib = load_calib_inputs(args.calib_data, load_model(args.input), tokenizer_dir=args.tokenizer,
@@ -56,9 +55,7 @@ def run(args: argparse.Namespace) -> int:
         check=not args.no_check,
     )  # fmt: skip
     if args.json:
-        from mixprec.evaluation.result import write_text_atomic
-
-        write_text_atomic(Path(args.json), json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+        write_json_atomic(args.json, report.to_dict(), default=str)
     print(
         f"wrote {report.output}: {len(report.weights)} FP8 weights ({report.granularity} scales), "
         f"{len(report.activation_scales)} static activation scales, {len(report.skipped)} MatMul/Gemm kept in fp32; "

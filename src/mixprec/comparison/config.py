@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from mixprec.errors import MixprecError
+from mixprec.hf import check_model_dir
+from mixprec.recipes import from_name
 
 DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
 # Loss gaps: the guide's 0.1 % (16-bit vs fp32); DeepSeek-V3's 0.25 % (FP8 vs BF16). Precision
@@ -81,14 +83,12 @@ class CompareConfig:
 
     # checks (no file is written before these pass) -------------------------------------------------
     def validate(self) -> None:
-        from mixprec import recipes as recipe_module
-
         if not self.recipes:
             raise MixprecError("no recipes to compare")
         if len(set(self.recipes)) != len(self.recipes):
             raise MixprecError(f"recipes listed twice: {', '.join(self.recipes)}")
         for name in (*self.recipes, *([self.baseline] if self.baseline else [])):
-            recipe_module.from_name(name)  # raises MixprecError naming the unknown recipe
+            from_name(name)  # raises MixprecError naming the unknown recipe
         if self.baseline and self.baseline not in self.recipes:
             raise MixprecError(
                 f"--baseline {self.baseline} is not one of the compared recipes ({', '.join(self.recipes)})"
@@ -125,8 +125,6 @@ class CompareConfig:
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise MixprecError(f"tokenizer directory {self.tokenizer} does not exist")
         if self.model_dir is not None:
-            from mixprec.models import check_model_dir
-
             check_model_dir(self.model_dir)
 
     # baselines and thresholds ----------------------------------------------------------------------
@@ -137,7 +135,7 @@ class CompareConfig:
             if self.baseline:
                 out[r] = None if r == self.baseline else self.baseline
                 continue
-            kind = recipe_kind(r)
+            kind = from_name(r).kind
             if kind == "fp32":
                 out[r] = None
             elif kind == "fp8":
@@ -152,17 +150,8 @@ class CompareConfig:
         return out
 
     def threshold_for(self, recipe: str) -> float:
-        return self.thresholds["fp8" if recipe_kind(recipe) == "fp8" else "bf16"]
-
-
-def recipe_kind(name: str) -> str:
-    """ "fp32", "fp8", or the 16-bit kinds (judged with the bf16 threshold)."""
-    base = name.split(":", 1)[0]
-    if base == "fp32":
-        return "fp32"
-    if base.startswith("fp8"):
-        return "fp8"
-    return "bf16"
+        """FP8 recipes are judged with the fp8 threshold, every other kind with the 16-bit one."""
+        return self.thresholds["fp8" if from_name(recipe).kind == "fp8" else "bf16"]
 
 
 def parse_fraction(text: str | float) -> float:

@@ -8,13 +8,12 @@ Finishing writes summary.json, metrics.jsonl and report.html, then removes the c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from mixprec.comparison.config import CompareConfig
 from mixprec.errors import MixprecError
-from mixprec.pages import write_text_atomic
+from mixprec.files import atomic_file, write_text_atomic
 
 MARKER = "INCOMPLETE.json"
 CHECKPOINTS = "checkpoints"
@@ -78,8 +77,6 @@ def finish(out: Path) -> None:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
+    with atomic_file(path) as tmp, tmp.open("w", encoding="utf-8") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from mixprec.comparison.config import NOISE_SUFFIX, recipe_kind
+from mixprec.comparison.config import NOISE_SUFFIX
 from mixprec.comparison.summary import (
     ComparisonSummary,
     gap_curve,
@@ -15,6 +15,7 @@ from mixprec.comparison.summary import (
 )
 from mixprec.monitor import ROLES
 from mixprec.pages import Section, heatmap_grid_png, line_plot_png, paragraph, table_html
+from mixprec.recipes import from_name
 
 
 def _pct(x: float | None, digits: int = 3) -> str:
@@ -89,7 +90,7 @@ def curve_sections(summary: ComparisonSummary, records: list[dict]) -> list[Sect
         _bx, bv = val[r.baseline]
         vx, vv = val[name]
         val_gaps[f"{name} vs {r.baseline}"] = (vx, [(a - b) / b for a, b in zip(vv, bv)])
-        kind = "fp8" if recipe_kind(name) == "fp8" else "16-bit"
+        kind = "fp8" if from_name(name).kind == "fp8" else "16-bit"
         hlines[f"{kind} threshold {r.threshold * 100:.2f}%"] = r.threshold
         noise_key = r.baseline + NOISE_SUFFIX
         if noise_key in runs:

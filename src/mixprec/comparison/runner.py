@@ -19,11 +19,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from mixprec.comparison import outdir
 from mixprec.comparison.config import DEFAULT_RECIPES, NOISE_SUFFIX, CompareConfig
+from mixprec.comparison.page import compare_sections
 from mixprec.comparison.summary import METRICS_SCHEMA_VERSION, ComparisonSummary, json_safe, summarize
 from mixprec.comparison.training_run import RunResult, RunSpec, train_run
+from mixprec.data import load_corpus, prepare_data
 from mixprec.errors import MixprecError
+from mixprec.files import write_text_atomic
+from mixprec.hf import has_tokenizer, load_model, vocab_size
+from mixprec.kernels.hardware import describe_machine, detect
+from mixprec.models import ReferenceModelConfig, build_reference_model
+from mixprec.pages import write_html_report
+from mixprec.progress import ProgressBars
 
 
 def run_specs(config: CompareConfig) -> list[RunSpec]:
@@ -45,11 +55,8 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
 
 def load_inputs(config: CompareConfig):
     """Corpus -> tokenized data, and the base model (same initial weights for every run)."""
-    from mixprec.data import load_corpus, prepare_data
-    from mixprec.models import ReferenceModelConfig, build_reference_model, load_model_dir, model_vocab_size
-
     tokenizer_dir = config.tokenizer
-    if config.model_dir is not None and tokenizer_dir is None and _has_tokenizer(Path(config.model_dir)):
+    if config.model_dir is not None and tokenizer_dir is None and has_tokenizer(config.model_dir):
         tokenizer_dir = config.model_dir
     corpus = load_corpus(config.data, config.max_chars)
     data = prepare_data(
@@ -57,8 +64,10 @@ def load_inputs(config: CompareConfig):
         max_val_blocks=config.val_blocks, min_train_blocks=config.batch_size,
     )  # fmt: skip
     if config.model_dir is not None:
-        model = load_model_dir(config.model_dir)
-        vocab = model_vocab_size(model)
+        model = load_model(config.model_dir, head="causal-lm", dtype=torch.float32).float()
+        if hasattr(model.config, "use_cache"):
+            model.config.use_cache = False  # training: no KV cache
+        vocab = vocab_size(model)
         if data.vocab_size > vocab or int(data.train.max()) >= vocab:
             raise MixprecError(
                 f"the tokenizer ({data.vocab_size} ids) does not fit the model's embedding ({vocab} rows): "
@@ -73,30 +82,6 @@ def load_inputs(config: CompareConfig):
     info["parameters"] = sum(p.numel() for p in model.parameters())
     info["class"] = type(model).__name__
     return data, model, info
-
-
-def _has_tokenizer(d: Path) -> bool:
-    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
-
-
-def _progress(enabled: bool, specs: list[RunSpec]):
-    from contextlib import nullcontext
-
-    if not enabled:
-        return nullcontext(None)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), transient=False,
-    )  # fmt: skip
 
 
 def compare(
@@ -155,12 +140,11 @@ def compare(
             _check_checkpoint_kind(ckpt_dir, world)
     specs = run_specs(config)
     results: list[RunResult] = []
-    with _progress(progress and rank == 0, specs) as bar:
-        tasks = {s.name: bar.add_task(s.name, total=s.steps) for s in specs} if bar is not None else {}
+    with ProgressBars(progress and rank == 0, time_remaining=True, label_width=22) as bars:
+        runs = {s.name: bars.add(s.name, total=s.steps) for s in specs}
 
         def on_step(name: str, step: int) -> None:
-            if bar is not None:
-                bar.update(tasks[name], completed=step)
+            runs[name].update(completed=step)
 
         for spec in specs:
             ckpt = outdir.checkpoint_path(ckpt_dir, spec.name) if ckpt_dir is not None else None
@@ -176,8 +160,6 @@ def compare(
     summary.data = data_t.describe()
     summary.model = model_info
     summary.speed = speed_figures(results)
-    from mixprec.kernels.hardware import describe_machine
-
     summary.machine = describe_machine()
     summary.trained_models = {res.name: res.model for res in results if res.model is not None}
     summary.tokenizer = data_t.tokenizer
@@ -224,8 +206,6 @@ def _check_checkpoint_kind(ckpt_dir: Path, world: int) -> None:
 
 def speed_figures(results: list[RunResult]) -> dict:
     """Wall time per training step and the ratio to fp32; gated nowhere on CPU (emulated FP8)."""
-    from mixprec.kernels.hardware import detect
-
     per = {r.name: r.seconds_per_step for r in results}
     ref = per.get("fp32")
     native = bool(detect().fp8_native)
@@ -243,9 +223,6 @@ def speed_figures(results: list[RunResult]) -> dict:
 
 
 def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) -> None:
-    from mixprec.comparison.page import compare_sections
-    from mixprec.pages import write_html_report, write_text_atomic
-
     outdir.write_jsonl(
         out / "metrics.jsonl", [json_safe({"schema_version": METRICS_SCHEMA_VERSION, **r}) for r in records]
     )

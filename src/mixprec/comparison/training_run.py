@@ -32,13 +32,24 @@ import torch
 from torch import nn
 
 from mixprec.data import TokenizedData, train_batch
+from mixprec.distributed.checkpoint import load_checkpoint as load_shards
+from mixprec.distributed.checkpoint import save_checkpoint
+from mixprec.distributed.fsdp import clip_grad_norm_ as clip_sharded
+from mixprec.distributed.nan_guard import any_rank
 from mixprec.errors import MixprecError
+from mixprec.files import atomic_file
 from mixprec.models import lm_loss
 from mixprec.monitor import PrecisionMonitor
+from mixprec.training import (
+    advance_scaling_state,
+    clip_grad_norm_,
+    conversion_state,
+    convert_for_training,
+    make_grad_scaler,
+)
+from mixprec.training.optim import AdamW
 
 CHECKPOINT_FORMAT = 1
-# what this loop supports under torchrun (read by mixprec.commands.torchrun before it accepts the options)
-DISTRIBUTED_FEATURES = ("fsdp2", "resume")
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,6 @@ def evaluate_loss(model: nn.Module, val: torch.Tensor, batch_size: int) -> float
 
 
 def _convert(model: nn.Module, recipe: str) -> list[dict]:
-    from mixprec.training import convert_for_training
 
     report = convert_for_training(model, recipe)
     entries = getattr(report, "entries", [])
@@ -137,9 +147,8 @@ def _save_checkpoint(path: Path, step: int, model, optimizer, scaler, records: l
         "scaler": scaler.state_dict() if scaler is not None else {},
         "records": json.dumps(records),  # a string: loads under weights_only=True
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        torch.save(payload, tmp)
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -158,7 +167,6 @@ def distributed_checkpoint_path(path: Path) -> Path:
 
 
 def _save_distributed(path: Path, step: int, model, optimizer, scaler, records: list[dict]) -> None:
-    from mixprec.distributed.checkpoint import save_checkpoint
 
     extra = {
         "format": CHECKPOINT_FORMAT,
@@ -170,7 +178,6 @@ def _save_distributed(path: Path, step: int, model, optimizer, scaler, records: 
 
 
 def _load_distributed(path: Path, model, optimizer, scaler) -> tuple[int, list[dict]]:
-    from mixprec.distributed.checkpoint import load_checkpoint as load_shards
 
     extra = load_shards(path, model, optimizer)
     if extra.get("format") != CHECKPOINT_FORMAT:
@@ -183,8 +190,6 @@ def _load_distributed(path: Path, model, optimizer, scaler) -> tuple[int, list[d
 def _clip(model: nn.Module, optimizer, max_norm: float, sharded: bool, clip_plain) -> torch.Tensor:
     """Global-norm clipping; over FSDP2 shards the norm needs one all_reduce (fsdp.clip_grad_norm_)."""
     if sharded:
-        from mixprec.distributed.fsdp import clip_grad_norm_ as clip_sharded
-
         return clip_sharded(optimizer, max_norm)
     return clip_plain(model, optimizer, max_norm)
 
@@ -203,8 +208,6 @@ def train_run(
 
     stop_after: stop (as if interrupted) after this many steps, leaving the checkpoint — for tests.
     """
-    from mixprec.training import advance_scaling_state, clip_grad_norm_, conversion_state, make_grad_scaler
-    from mixprec.training.optim import AdamW
 
     rank, world = _dist()
     model = copy.deepcopy(base_model).to(spec.device)
@@ -270,8 +273,6 @@ def train_run(
             health = monitor.check_step(loss)
             skipped = not health.ok
             if world > 1:  # one rank's NaN/inf (e.g. in its FSDP2 gradient shard) skips on every rank
-                from mixprec.distributed.nan_guard import any_rank
-
                 skipped = any_rank(skipped)
             grad_norm = None
             if skipped:

@@ -1,10 +1,11 @@
 """mixprec under torch.distributed: DDP and FSDP2 (fully_shard), launched with torchrun.
 
-    torchrun --nproc-per-node 2 -m mixprec.commands.torchrun compare --recipes bf16,fp8-delayed --out runs/c
+    torchrun --nproc-per-node 2 $(which mixprec) compare --recipes bf16,fp8-delayed --out runs/c
 
 Pieces (each usable alone):
 - world: rank / world size / init_from_env / shard_batch / mean_across_ranks (no-ops in one process)
-- amax_reduction.reduce_amax(model): one all_reduce(MAX) of every delayed-scaling amax per step
+- amax_reduction.reduce_amax(model): one all_reduce(MAX) of every delayed-scaling amax per step; the
+  wrapping registers it on the model (register_amax_reduction), so the scaling advance runs it
 - ddp.wrap_ddp / register_fp32_grad_hook: DDP that reduces mixprec AdamW's fp32 gradient buffers
 - fsdp.shard_model / adapt_optimizer / clip_grad_norm_: FSDP2 with fp32 masters, bf16 moments
 - fp8_all_gather: FSDP2 all-gathers per-tensor-scaled FP8 weights in FP8
@@ -15,8 +16,15 @@ Pieces (each usable alone):
 
 from __future__ import annotations
 
-from mixprec.distributed.amax_reduction import amax_tensors, reduce_amax, scales_agree
+from mixprec.distributed.amax_reduction import (
+    amax_tensors,
+    reduce_amax,
+    register_amax_reduction,
+    scales_agree,
+)
 from mixprec.distributed.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.distributed.ddp import wrap_ddp
+from mixprec.distributed.fsdp import shard_model
 from mixprec.distributed.nan_guard import any_rank, should_skip_step
 from mixprec.distributed.prepare import DataParallel, unwrap
 from mixprec.distributed.world import (
@@ -29,19 +37,6 @@ from mixprec.distributed.world import (
     world_size,
 )
 
-
-def wrap_ddp(*args, **kwargs):
-    from mixprec.distributed.ddp import wrap_ddp as _wrap_ddp
-
-    return _wrap_ddp(*args, **kwargs)
-
-
-def shard_model(*args, **kwargs):
-    from mixprec.distributed.fsdp import shard_model as _shard_model
-
-    return _shard_model(*args, **kwargs)
-
-
 __all__ = [
     "DataParallel",
     "amax_tensors",
@@ -53,6 +48,7 @@ __all__ = [
     "mean_across_ranks",
     "rank",
     "reduce_amax",
+    "register_amax_reduction",
     "save_checkpoint",
     "scales_agree",
     "shard_batch",

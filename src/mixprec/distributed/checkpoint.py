@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from torch import nn
 
 from mixprec.distributed.world import barrier, broadcast_object, rank, world_size
 from mixprec.errors import MixprecError
+from mixprec.files import check_new_output, replace_dir
 
 SCHEMA_VERSION = 1
 KIND = "mixprec-distributed-checkpoint"
@@ -150,10 +150,7 @@ def save_checkpoint(
     from safetensors.torch import save_file
 
     target = Path(directory)
-    if target.exists() and not overwrite:
-        raise MixprecError(
-            f"checkpoint directory {target} already exists (pass overwrite=True to replace it)"
-        )
+    check_new_output(target, overwrite, label="checkpoint directory", flag="overwrite=True")
     tmp_name = broadcast_object(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}" if rank() == 0 else None)
     tmp = target.parent / tmp_name
     if rank() == 0:
@@ -203,13 +200,7 @@ def save_checkpoint(
             "files": sorted(p.name for p in tmp.iterdir()),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        old = None
-        if target.exists():
-            old = target.parent / f"{target.name}.old-{uuid.uuid4().hex[:8]}"
-            target.rename(old)
-        tmp.rename(target)
-        if old is not None:
-            shutil.rmtree(old)
+        replace_dir(tmp, target)
     barrier()
     return target
 

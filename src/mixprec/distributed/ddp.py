@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mixprec.distributed.amax_reduction import register_amax_reduction
 from mixprec.errors import MixprecError
 
 
@@ -97,7 +98,8 @@ def wrap_ddp(model: nn.Module, optimizer: Any = None, **ddp_kwargs: Any) -> Dist
     """DistributedDataParallel(model) for a model converted by mixprec (convert first, then wrap).
 
     Defaults: no buffer broadcast before each forward (forward_sync_buffers / broadcast_buffers=False:
-    amax reduction keeps the FP8 histories identical). With
+    amax reduction keeps the FP8 histories identical; it is registered on `model`, so every
+    advance_scaling_state(model) reduces first). With
     `optimizer` (built on model.parameters() — DDP keeps the same Parameter objects) the fp32 gradient
     hook is registered; otherwise call register_fp32_grad_hook(ddp, optimizer) once you have one.
     """
@@ -112,6 +114,7 @@ def wrap_ddp(model: nn.Module, optimizer: Any = None, **ddp_kwargs: Any) -> Dist
     ddp = DistributedDataParallel(model, **ddp_kwargs)
     # remembered to catch a conversion after wrapping (register_fp32_grad_hook refuses it)
     ddp._mixprec_wrapped_dtypes = tuple(p.dtype for p in model.parameters())
+    register_amax_reduction(model, ddp_kwargs.get("process_group"))
     if optimizer is not None:
         register_fp32_grad_hook(ddp, optimizer)
     return ddp

@@ -9,7 +9,7 @@ parameter is a tensor subclass with two methods,
 
 Here the pre-all-gather takes the amax of the local shard, all_reduce(MAX)es it over the shard group
 (so the scale is that of the WHOLE weight, the same on every rank), quantizes the shard with it
-(mixprec.scaling.quantize: the same payloads a cast of the gathered weight gives) and hands FSDP2 the
+(mixprec.quantization.quantize: the same payloads a cast of the gathered weight gives) and hands FSDP2 the
 E4M3 payload viewed as uint8 (gloo has no float8 dtype; FSDP2 packs mixed dtypes into a uint8 buffer).
 The post-all-gather decodes the gathered payload times the scale into the compute dtype.
 
@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_map_only
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, decode
-from mixprec.scaling import compute_scale, quantize
+from mixprec.quantization import quantize
+from mixprec.scaling import compute_scale
 
 _aten = torch.ops.aten
 # ops FSDP2 applies to a parameter while sharding it (and that views/copies must keep the subclass)

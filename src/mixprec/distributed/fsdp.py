@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.distributed.amax_reduction import register_amax_reduction
+from mixprec.distributed.fp8_all_gather import enable_fp8_all_gather
 from mixprec.errors import MixprecError
+from mixprec.rounding import flat_indices, stochastic_round
+from mixprec.training.optim import AdamW
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -120,12 +124,11 @@ def shard_model(
         mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     kwargs["mp_policy"] = mp_policy
     if fp8_all_gather:  # after the dtype change above: the swapped weights keep their dtype
-        from mixprec.distributed.fp8_all_gather import enable_fp8_all_gather
-
         enable_fp8_all_gather(model)
     for block in _blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    register_amax_reduction(model)
     if master_weights == "fsdp" and mp_policy.param_dtype is not None:
         # the fp32 shards are masters of bf16 compute weights: adapt_optimizer keeps bf16 moments for them
         for p in model.parameters():
@@ -149,8 +152,6 @@ def stochastic_round_dtensor(x, dtype: torch.dtype, key: int | None, lane: int):
     get (the noise is a hash of each element's global index), so sharded == unsharded rounding."""
     from torch.distributed.tensor import DTensor
 
-    from mixprec.rounding import flat_indices, stochastic_round
-
     local = x.to_local()
     if key is None or dtype != torch.bfloat16:
         rounded = local.to(dtype)
@@ -167,30 +168,30 @@ def adapt_optimizer(optimizer: Any) -> Any:
 
     Patches this optimizer instance's moment rounding (see the module docstring). Returns `optimizer`.
     """
-    from mixprec.training.optim import AdamW
-
     if not isinstance(optimizer, AdamW) or getattr(optimizer, "_mixprec_dtensor_rounding", False):
         return optimizer
-    plain_round = optimizer._round
+    plain_round = optimizer.round_to_storage
 
-    def _round(self, x: torch.Tensor, dtype: torch.dtype, key: int | None, lane: int) -> torch.Tensor:
+    def round_to_storage(
+        self, x: torch.Tensor, dtype: torch.dtype, key: int | None, lane: int
+    ) -> torch.Tensor:
         if _is_dtensor(x):
             return stochastic_round_dtensor(x, dtype, key, lane)
         return plain_round(x, dtype, key, lane)
 
-    optimizer._round = types.MethodType(_round, optimizer)
-    plain_moment_dtype = getattr(optimizer, "_moment_dtype", None)
-    if callable(plain_moment_dtype):
-        # An fp32 shard that FSDP2 all-gathers in bf16 (shard_model's "fsdp" masters) is the master of a
-        # bf16 parameter: give it the moments a bf16 parameter gets (bf16 unless moment_dtype is set),
-        # so the arithmetic is that of DDP + mixprec AdamW.
-        def _moment_dtype(self, p: torch.Tensor) -> torch.dtype:
-            compute = getattr(p, "_mixprec_compute_dtype", None)
-            if self.moment_dtype is None and compute is not None and compute != p.dtype:
-                return torch.bfloat16
-            return plain_moment_dtype(p)
+    optimizer.round_to_storage = types.MethodType(round_to_storage, optimizer)
+    plain_moment_dtype = optimizer.moment_dtype_for
 
-        optimizer._moment_dtype = types.MethodType(_moment_dtype, optimizer)
+    # An fp32 shard that FSDP2 all-gathers in bf16 (shard_model's "fsdp" masters) is the master of a
+    # bf16 parameter: give it the moments a bf16 parameter gets (bf16 unless moment_dtype is set),
+    # so the arithmetic is that of DDP + mixprec AdamW.
+    def moment_dtype_for(self, p: torch.Tensor) -> torch.dtype:
+        compute = getattr(p, "_mixprec_compute_dtype", None)
+        if self.moment_dtype is None and compute is not None and compute != p.dtype:
+            return torch.bfloat16
+        return plain_moment_dtype(p)
+
+    optimizer.moment_dtype_for = types.MethodType(moment_dtype_for, optimizer)
     optimizer._mixprec_dtensor_rounding = True
     return optimizer
 

@@ -8,7 +8,7 @@ skips, reduce amaxes. One object so a loop written for one process takes it as a
     loss = ...; loss.backward()
     if dp.skip(loss, optimizer): optimizer.zero_grad()  # every rank decides the same
     else: optimizer.step(); optimizer.zero_grad()
-    dp.reduce_amax(model); advance_scaling_state(model)   # reduce_amax: once per step, all layers
+    advance_scaling_state(unwrap(model))          # one all_reduce(MAX) of every amax first (wrap registered it)
 
 `DataParallel` is also the `prepare=` callable of mixprec.compare (which wraps, builds its optimizer
 on the wrapped parameters and calls `attach`). A loop that builds the optimizer
@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from mixprec.distributed import amax_reduction, nan_guard, world
+from mixprec.distributed.ddp import register_fp32_grad_hook, wrap_ddp
+from mixprec.distributed.fsdp import adapt_optimizer, shard_model
 from mixprec.errors import MixprecError
 
 STRATEGIES = ("ddp", "fsdp2", "none")
@@ -65,11 +67,12 @@ class DataParallel:
             raise MixprecError(f"--dp {self.strategy} needs torch.distributed: launch with torchrun")
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP or FSDP2 around a converted model; the amax reduction over this group is registered on
+        it, so advance_scaling_state(unwrap(wrapped)) reduces first."""
         early = optimizer_already_built(model)
         if self.strategy == "ddp":
-            from mixprec.distributed.ddp import register_fp32_grad_hook, wrap_ddp
-
             ddp = wrap_ddp(model, **self.ddp_options)
+            amax_reduction.register_amax_reduction(model, self.group)
             if early is not None:
                 # a loop that built its optimizer before wrapping (DDP keeps the Parameter objects, so
                 # that optimizer is valid): connect it now, attach() need not be called
@@ -77,14 +80,14 @@ class DataParallel:
                 ddp._mixprec_grad_hook = True
             return ddp
         if self.strategy == "fsdp2":
-            from mixprec.distributed.fsdp import shard_model
-
             if early is not None:
                 raise MixprecError(
                     "FSDP2 replaces every parameter by a DTensor shard: build the optimizer AFTER wrapping "
                     "(model = dp.wrap(model); optimizer = dp.attach(model, AdamW(model.parameters())))"
                 )
-            return shard_model(model, **self.fsdp_options)
+            sharded = shard_model(model, **self.fsdp_options)
+            amax_reduction.register_amax_reduction(sharded, self.group)
+            return sharded
         return model
 
     __call__ = wrap  # mixprec.compare's prepare= hook
@@ -92,14 +95,10 @@ class DataParallel:
     def attach(self, model: nn.Module, optimizer: Any) -> Any:
         """Connect the optimizer (built on the WRAPPED model's parameters) to the wrapping; returns it."""
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            from mixprec.distributed.ddp import register_fp32_grad_hook
-
             if not getattr(model, "_mixprec_grad_hook", False):
                 register_fp32_grad_hook(model, optimizer, self.group)
                 model._mixprec_grad_hook = True
         elif any(hasattr(p, "placements") for p in model.parameters()):
-            from mixprec.distributed.fsdp import adapt_optimizer
-
             adapt_optimizer(optimizer)
         return optimizer
 

@@ -4,8 +4,9 @@ Public entry: :func:`evaluate` (also importable as ``mixprec.evaluation.runner.e
 """
 
 from mixprec.evaluation.gates import GateResult, Gates, parse_memory_saving
+from mixprec.evaluation.page import write_report
 from mixprec.evaluation.result import SCHEMA_VERSION, EvaluationResult
-from mixprec.evaluation.runner import TASKS, evaluate, write_report
+from mixprec.evaluation.runner import TASKS, evaluate
 
 __all__ = [
     "SCHEMA_VERSION",

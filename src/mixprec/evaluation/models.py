@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,11 +13,12 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.evaluation.memory import weight_bytes_in_memory, weight_bytes_on_disk
+from mixprec.hf import load_model, model_kind, read_config, vocab_size
+from mixprec.inference.load import load_quantized
+from mixprec.inference.online import quantize_model_
+from mixprec.kernels.hardware import detect
+from mixprec.training import bf16_cpu
 
-_INFERENCE_MODULES = {
-    "quantize_model_": "mixprec.inference.online",
-    "load_quantized": "mixprec.inference.load",
-}
 CANDIDATE_SCHEMES = ("fp8-dynamic", "fp8-static", "fp8-block", "bf16")
 
 # Architecture facts that must agree between reference and candidate.
@@ -53,50 +53,24 @@ class Side:
         }
 
 
-def _read_config(directory: Path) -> dict:
-    if not directory.is_dir():
-        raise MixprecError(f"model directory {directory} does not exist")
-    cfg_path = directory / "config.json"
-    if not cfg_path.is_file():
-        raise MixprecError(f"model directory {directory} has no config.json")
-    try:
-        return json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MixprecError(f"{cfg_path} is not valid JSON: {exc}") from None
-
-
-def kind_of_config(cfg: dict) -> str:
-    archs = cfg.get("architectures") or []
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or cfg.get("is_decoder"):
-        return "causal-lm"
-    return "encoder"
-
-
 def kind_of_model(model: nn.Module) -> str:
     cfg = getattr(model, "config", None)
-    if cfg is not None and kind_of_config(cfg.to_dict() if hasattr(cfg, "to_dict") else {}) == "causal-lm":
+    if cfg is not None and model_kind(cfg.to_dict() if hasattr(cfg, "to_dict") else {}) == "causal-lm":
         return "causal-lm"
     name = type(model).__name__
     return "causal-lm" if name.endswith(("ForCausalLM", "LMHeadModel")) else "encoder"
 
 
 def load_dir(directory: str | os.PathLike, role: str) -> Side:
-    """A model directory: quantized checkpoints through mixprec.load_quantized, others through transformers."""
+    """A model directory: quantized checkpoints through mixprec.load_quantized, others through transformers
+    (a causal LM with its head, an encoder as its base model)."""
     d = Path(directory)
-    cfg = _read_config(d)
-    kind = kind_of_config(cfg)
+    cfg = read_config(d, role=f"{role} model")
+    kind = model_kind(cfg)
     if cfg.get("quantization_config"):
-        model = _inference_api("load_quantized")(d)
+        model = load_quantized(d)
     else:
-        if not any(d.glob("*.safetensors")):
-            raise MixprecError(f"{role} model directory {d} has no .safetensors weights")
-        import transformers
-
-        cls = transformers.AutoModelForCausalLM if kind == "causal-lm" else transformers.AutoModel
-        try:
-            model = cls.from_pretrained(str(d), local_files_only=True, use_safetensors=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise MixprecError(f"cannot load the {role} model from {d}: {exc}") from None
+        model = load_model(d, head=kind, role=f"{role} model")
     model.eval()
     return Side(model, str(d), kind, directory=d)
 
@@ -120,27 +94,10 @@ def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Ten
     if scheme == "bf16":
         model = model.to(torch.bfloat16)  # the CPU compute hooks are installed by install_low_precision_hooks
     else:
-        quantize_model_ = _inference_api("quantize_model_")
         report = quantize_model_(model, scheme, calib_data=calib_batches)
         info["quantization_report"] = _summarize_report(report)
     model.eval()
     return Side(model, f"online:{scheme} of {reference.source}", reference.kind, scheme=scheme, info=info)
-
-
-def _inference_api(name: str):
-    """mixprec.load_quantized / quantize_model_ (issue 5's inference package)."""
-    import importlib
-
-    import mixprec
-
-    try:
-        return getattr(mixprec, name)
-    except (ImportError, AttributeError) as exc:
-        err = exc
-    try:  # the module itself, while the inference package's __init__ does not export it yet
-        return getattr(importlib.import_module(_INFERENCE_MODULES[name]), name)
-    except (ImportError, AttributeError):
-        raise MixprecError(f"mixprec.{name} is unavailable in this installation ({err})") from None
 
 
 def install_low_precision_hooks(side: Side) -> None:
@@ -151,11 +108,6 @@ def install_low_precision_hooks(side: Side) -> None:
     ):
         return
     side.info["bf16_compute"] = "native bf16 kernels"
-    try:
-        from mixprec.kernels.hardware import detect
-        from mixprec.training import bf16_cpu
-    except ImportError:
-        return
     if bf16_cpu.should_install(side.model) and not detect().cpu_bf16_native:
         side.hooks = bf16_cpu.install(side.model)
         side.info["bf16_compute"] = "fp32 GEMMs rounded to bf16 (mixprec.training.bf16_cpu)"
@@ -178,14 +130,6 @@ def _config_dict(model: nn.Module) -> dict:
     return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
 
 
-def vocab_size_of(model: nn.Module) -> int | None:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    w = getattr(emb, "weight", None)
-    if isinstance(w, torch.Tensor):
-        return int(w.shape[0])
-    return _config_dict(model).get("vocab_size")
-
-
 def check_compatible(
     reference: Side, candidate: Side, ref_vocab: dict | None, cand_vocab: dict | None
 ) -> None:
@@ -201,7 +145,7 @@ def check_compatible(
         raise MixprecError(
             f"architecture mismatch: reference {reference.source} is a {reference.kind}, candidate is a {candidate.kind}"
         )
-    va, vb = vocab_size_of(reference.model), vocab_size_of(candidate.model)
+    va, vb = vocab_size(reference.model), vocab_size(candidate.model)
     if va is not None and vb is not None and va != vb:
         raise MixprecError(
             f"vocabulary mismatch: reference {reference.source} has {va} tokens, candidate {candidate.source} has {vb}"
@@ -220,6 +164,5 @@ __all__ = [
     "as_side",
     "check_compatible",
     "derive_candidate",
-    "kind_of_config",
     "load_dir",
 ]

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 from mixprec.evaluation.result import EvaluationResult
+from mixprec.files import write_bytes_atomic
+from mixprec.pages import Section, paragraph, png_bytes, pyplot, table_html, write_html_report
 
 
 def _fmt(v) -> str:
@@ -21,9 +23,7 @@ def _fmt(v) -> str:
 
 def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
     """(file name, caption, PNG bytes)."""
-    from mixprec.pages import _png, _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     out = []
     mem, tp = result.memory, result.throughput
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
@@ -35,7 +35,7 @@ def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
         [tp.get("reference_tokens_per_s") or 0, tp.get("candidate_tokens_per_s") or 0],
     )
     axes[1].set_title(f"throughput, {tp.get('measured', '')}")
-    out.append(("memory_speed.png", "weight memory and throughput, measured in the same run", _png(fig)))
+    out.append(("memory_speed.png", "weight memory and throughput, measured in the same run", png_bytes(fig)))
     ps = result.per_sample
     if "lm.reference_nll" in ps:
         fig, ax = plt.subplots(figsize=(4.5, 4))
@@ -45,7 +45,11 @@ def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
         ax.set_xlabel("reference NLL per sample")
         ax.set_ylabel("candidate NLL per sample")
         out.append(
-            ("lm_nll.png", "mean NLL per sample: candidate vs reference (diagonal: no change)", _png(fig))
+            (
+                "lm_nll.png",
+                "mean NLL per sample: candidate vs reference (diagonal: no change)",
+                png_bytes(fig),
+            )
         )
     for key, title in (
         ("embed.cosine", "cosine similarity per sample"),
@@ -55,14 +59,12 @@ def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
             fig, ax = plt.subplots(figsize=(5, 3))
             ax.hist(ps[key], bins=30)
             ax.set_title(title)
-            out.append((f"{key.replace('.', '_')}.png", title, _png(fig)))
+            out.append((f"{key.replace('.', '_')}.png", title, png_bytes(fig)))
     return out
 
 
 def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
     """Write out_dir/report.html, out_dir/evaluation.json and the PNGs; returns the HTML path."""
-    from mixprec.pages import Section, paragraph, table_html, write_html_report
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result.write_json(out / "evaluation.json")
@@ -89,7 +91,7 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
         plots = []
         sections.append(Section("Plots", paragraph(f"no plots: {exc}")))
     for name, _, png in plots:
-        (out / name).write_bytes(png)
+        write_bytes_atomic(out / name, png)
     if plots:
         sections.append(Section("Plots", images=[(caption, png) for _, caption, png in plots]))
     if result.warnings:

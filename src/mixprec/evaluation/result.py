@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.evaluation.gates import GateResult
+from mixprec.files import write_json_atomic
 
 SCHEMA_VERSION = 1
 
@@ -53,7 +51,7 @@ class EvaluationResult:
         })  # fmt: skip
 
     def write_json(self, path: str | Path) -> Path:
-        return write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+        return write_json_atomic(path, self.to_dict())
 
 
 def _finite(obj):
@@ -67,17 +65,4 @@ def _finite(obj):
     return obj
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-__all__ = ["SCHEMA_VERSION", "EvaluationResult", "write_text_atomic"]
+__all__ = ["SCHEMA_VERSION", "EvaluationResult"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,9 +19,13 @@ from mixprec.evaluation.models import (
     derive_candidate,
     install_low_precision_hooks,
 )
+from mixprec.evaluation.page import write_report
 from mixprec.evaluation.result import EvaluationResult
-from mixprec.evaluation.samples import embed_samples, lm_blocks, load_tokenizer, read_documents
+from mixprec.evaluation.samples import embed_samples, read_documents
 from mixprec.evaluation.tasks import run_embed, run_generate, run_lm
+from mixprec.hf import has_tokenizer, lm_blocks, text_tokenizer, vocab_size
+from mixprec.kernels.hardware import describe_machine, detect
+from mixprec.progress import ProgressBars
 
 TASKS = ("lm", "generate", "embed")
 DEFAULT_SEQ_LEN = 128
@@ -64,23 +66,7 @@ def _device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _progress(enabled: bool):
-    if not enabled:
-        return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=False,
-    )
-
-
 def _machine(device: torch.device) -> dict:
-    from mixprec.kernels.hardware import describe_machine, detect
-
     caps = detect()
     return {
         "description": describe_machine(caps),
@@ -138,16 +124,13 @@ def evaluate(
 
     ref = as_side(reference, "reference")
     tasks = _tasks(task, ref.kind, gates)
-    tok = load_tokenizer(ref.directory, _vocab(ref.model), tokenizer)
+    tok = text_tokenizer(ref.directory, _vocab(ref.model), tokenizer)
     blocks = lm_blocks(docs, tok, seq_len, samples) if {"lm", "generate"} & set(tasks) else None
     if candidate is not None:
         cand = as_side(candidate, "candidate")
         cand_tok = None
-        if cand.directory is not None and tokenizer is None:
-            from mixprec.evaluation.samples import has_tokenizer
-
-            if has_tokenizer(cand.directory):
-                cand_tok = load_tokenizer(cand.directory, _vocab(cand.model)).vocab()
+        if cand.directory is not None and tokenizer is None and has_tokenizer(cand.directory):
+            cand_tok = text_tokenizer(cand.directory, _vocab(cand.model)).vocab()
         check_compatible(ref, cand, tok.vocab(), cand_tok)
     else:
         calib = None
@@ -168,15 +151,9 @@ def evaluate(
     reset_peak_cuda(dev)
     figures: dict[str, dict] = {}
     per_sample: dict[str, list] = {}
-    with torch.inference_mode(), _progress(progress) as bar:
+    with torch.inference_mode(), ProgressBars(progress) as bars:
         for name in tasks:
-            total = _count(name, blocks, docs, samples)
-            bar_task = bar.add_task(f"evaluate {name}", total=total) if bar is not None else None
-
-            def advance(n: int, _t=bar_task) -> None:
-                if bar is not None:
-                    bar.advance(_t, n)
-
+            advance = bars.add(f"evaluate {name}", total=_count(name, blocks, docs, samples)).advance
             if name == "lm":
                 fig, tp, ps = run_lm(ref.model, cand.model, blocks, batch_size, dev, advance)
             elif name == "generate":
@@ -247,21 +224,13 @@ def evaluate(
 
 
 def _vocab(model: nn.Module) -> int:
-    from mixprec.evaluation.models import vocab_size_of
-
-    return vocab_size_of(model) or 0
+    return vocab_size(model) or 0
 
 
 def _count(name: str, blocks, docs: list[str], samples: int) -> int:
     if name in ("lm", "generate"):
         return int(blocks.shape[0])
     return min(samples, len(docs))
-
-
-def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
-    from mixprec.evaluation.page import write_report as _write
-
-    return _write(result, out_dir)
 
 
 __all__ = ["TASKS", "evaluate", "write_report"]

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from mixprec.evaluation.metrics import LMAccumulator, bleu, cosine_per_sample, mean_pool, rouge_l
-from mixprec.evaluation.samples import Tokenizer, pad_batch
+from mixprec.evaluation.samples import pad_batch
 from mixprec.evaluation.throughput import Throughput
+from mixprec.hf import Tokenizer
 
 Advance = Callable[[int], None]
 

@@ -21,7 +21,6 @@ _EXPORTS = {
     "SCHEMES": "mixprec.inference.schemes:SCHEMES",
     "DEFAULT_IGNORE": "mixprec.inference.schemes:DEFAULT_IGNORE",
     "QuantizedLinear": "mixprec.inference.linear:QuantizedLinear",
-    "QuantizationReport": "mixprec.inference.quant_report:QuantizationReport",
     "read_scales_file": "mixprec.inference.scales_file:read_scales_file",
     "calibrate": "mixprec.inference.calibration:calibrate",
 }

@@ -10,7 +10,6 @@ Observers (what amax a static scale is built from):
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,7 +20,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.scaling import Granularity, compute_scale, fake_quantize
+from mixprec.quantization import fake_quantize
+from mixprec.scaling import Granularity, compute_scale
+from mixprec.texts import read_texts
 
 OBSERVERS = ("max", "percentile", "mse")
 
@@ -69,31 +70,15 @@ def resolve_calib_source(spec: str | Path) -> Path:
     )
 
 
-def _texts_from_file(path: Path) -> list[str]:
-    if path.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise MixprecError(f"{path}:{i + 1}: not valid JSON") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise MixprecError(f"{path}:{i + 1}: each line must be a JSON object with a 'text' string")
-            texts.append(obj["text"])
-        return texts
-    text = path.read_text(encoding="utf-8", errors="replace")
-    return [t for t in (p.strip() for p in text.split("\n\n")) if t]
+CALIBRATION_SUFFIXES = (".txt", ".raw", ".jsonl")
 
 
 def load_texts(spec: str | Path) -> list[str]:
-    p = resolve_calib_source(spec)
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl", ".raw"))
-    texts = [t for f in files for t in _texts_from_file(f)]
-    if not texts:
-        raise MixprecError(f"calibration data {p} holds no text")
-    return texts
+    """The calibration texts of a path or well-known name (mixprec.texts.read_texts): a .txt file's
+    paragraphs, a .jsonl file's "text" fields, or those of every .txt/.raw/.jsonl file in a folder."""
+    path = resolve_calib_source(spec)
+    corpus = read_texts(path, suffixes=CALIBRATION_SUFFIXES, split_folder_files=True, what="calibration data")
+    return list(corpus.documents)
 
 
 def token_batches(
@@ -209,7 +194,7 @@ def make_observer(name: str) -> Observer:
 # Running the model
 
 
-def _kv_attention_patch(model: nn.Module, kv_observers: dict[int, tuple[Observer, Observer]]):
+def kv_attention_patch(model: nn.Module, kv_observers: dict[int, tuple[Observer, Observer]]):
     """Route attention through a wrapper that observes key/value states as the attention sees them
     (after RoPE): what an FP8 KV cache stores. Returns an undo function, or None if unsupported."""
     try:
@@ -295,7 +280,7 @@ def calibrate(
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
     undo = None
     if kv_cache:
-        undo = _kv_attention_patch(model, kv_obs)
+        undo = kv_attention_patch(model, kv_obs)
         if undo is None:
             raise MixprecError(
                 "--kv-cache fp8 needs a transformers attention model (key/value states to observe)"

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from mixprec.conversion import replace_submodule
 from mixprec.errors import MixprecError
-from mixprec.inference.linear_weights import ExpertSlot
+from mixprec.inference.linear_weights import ExpertSlot, expert_slots
 
 
 def check_supported(module: nn.Module, name: str) -> None:
@@ -124,9 +125,7 @@ def assemble(model: nn.Module, module_name: str, parts: dict[str, tuple[ExpertSl
             f"{module_name}: the checkpoint lacks per-expert weights for {', '.join(missing[:4])}"
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         )
-    new = UnfusedExperts(original, table, module_name)  # type: ignore[arg-type]
-    parent, _, child = module_name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+    replace_submodule(model, module_name, UnfusedExperts(original, table, module_name))  # type: ignore[arg-type]
 
 
 def unfuse_for_calibration(model: nn.Module, slots: dict[str, ExpertSlot]) -> dict[str, str]:
@@ -151,7 +150,6 @@ def unfuse_skeleton(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dic
     """For loading: replace each fused experts module whose per-expert weights the checkpoint stores
     (`shapes`: {checkpoint module name: weight shape}) by an UnfusedExperts of placeholder nn.Linears
     on the meta device, to be replaced or filled like any Linear; returns {checkpoint name: path}."""
-    from mixprec.inference.linear_weights import expert_slots
 
     modules = dict(model.named_modules())
     two_d = {n: (s[0], s[1]) for n, s in shapes.items() if len(s) == 2 and n not in modules}

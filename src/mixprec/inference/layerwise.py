@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.inference.calibration import MaxObserver, Observer, _kv_attention_patch, make_observer
+from mixprec.hf import build_model
+from mixprec.inference.calibration import MaxObserver, Observer, kv_attention_patch, make_observer
 from mixprec.inference.safetensors_io import Checkpoint, ShardReader
 
 
@@ -52,9 +53,7 @@ def calibrate_layerwise(
     progress: Any = None,
 ) -> tuple[dict[str, float], dict[int, tuple[float, float]], nn.Module]:
     """Same results as `calibrate` on the whole model; returns (input amax, kv amax, skeleton)."""
-    from mixprec.inference.load import build_skeleton
-
-    model = build_skeleton(model_dir, config).eval()
+    model = build_model(config, source=model_dir).eval()
     known = set(model.state_dict())
     unknown = [n for n in ckpt.tensors if n not in known]
     # blocks are filled by checkpoint name: tensors the model names differently (MoE experts) would stay empty
@@ -72,7 +71,7 @@ def calibrate_layerwise(
         )
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
-    undo = _kv_attention_patch(model, kv_obs) if kv_cache else None
+    undo = kv_attention_patch(model, kv_obs) if kv_cache else None
     if kv_cache and undo is None:
         raise MixprecError(
             "--kv-cache fp8 needs a transformers attention model (key/value states to observe)"

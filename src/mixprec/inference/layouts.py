@@ -9,12 +9,12 @@ scheme-like layout its tensors have, so the loader can rebuild FP8 Linears from 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from mixprec.errors import MixprecError
-from mixprec.inference.schemes import InferenceScheme, matches
+from mixprec.inference.schemes import InferenceScheme
 from mixprec.scaling import Granularity
+from mixprec.select import matches
 
 LAYOUTS = ("compressed-tensors", "hf-fp8")
 
@@ -141,9 +141,9 @@ class LayoutSpec:
 
 
 def _ct_target_matches(name: str, class_name: str, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None or re.search(target[3:], name) is not None
-    return target in (class_name, name) or matches(name, target)
+    """A checkpoint's target or ignore entry names this module: its class name, or its own name
+    (mixprec.select.matches: "re:" from the start of the name, as compressed-tensors and vLLM read it)."""
+    return target == class_name or matches(name, target)
 
 
 def _granularity(args: dict, where: str) -> Granularity:

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from mixprec.formats import E4M3
-from mixprec.inference.schemes import InferenceScheme
-from mixprec.kernels.native import quantize_fast
+from mixprec.gemm import scaled_mm
+from mixprec.inference.schemes import InferenceScheme, quantize_weight
+from mixprec.quantization import quantize
 from mixprec.scaling import Granularity, QuantizedTensor
 
 
@@ -54,8 +55,6 @@ class QuantizedLinear(nn.Module):
         weight_scale: torch.Tensor | None = None,
         name: str = "weight",
     ) -> QuantizedLinear:
-        from mixprec.inference.schemes import quantize_weight
-
         q, _ = quantize_weight(linear.weight.detach(), scheme, name=name, scale=weight_scale)
         return cls(q, linear.bias, scheme, input_scale=input_scale, out_dtype=linear.weight.dtype)
 
@@ -87,15 +86,13 @@ class QuantizedLinear(nn.Module):
     # ---- forward --------------------------------------------------------------------------------
     @torch.no_grad()  # an inference layer: FP8 payloads are buffers and quantization has no gradient
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from mixprec.gemm import scaled_mm
-
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
-        # bit-identical to scaling.quantize: fused Triton kernels on CUDA, graph-break-free under
-        # torch.compile, scaling.quantize itself on the CPU
-        xq = quantize_fast(x2, E4M3, self.input_granularity, scale=self.input_scale)
+        # the one quantize entry: fused Triton kernels on CUDA, graph-break-free under torch.compile,
+        # the eager (or, for big inputs, tiled) torch code on the CPU; bit-identical everywhere
+        xq = quantize(x2, E4M3, self.input_granularity, scale=self.input_scale)
         if self._observer is not None:
             self._observer(self._observer_name, "input", x2.detach(), xq.scale, E4M3)
         out = scaled_mm(xq, self.quantized_weight(), out_dtype=self.out_dtype, bias=self.bias)

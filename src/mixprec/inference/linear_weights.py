@@ -25,13 +25,15 @@ from typing import Any
 
 import torch
 
+from mixprec.errors import MixprecError
+from mixprec.hf import build_model
 from mixprec.inference.safetensors_io import Checkpoint
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Model types whose every 2-D floating `.weight` belongs to an nn.Linear, except the embeddings (named
 # as below): checked on transformers 5.24 meta models (CausalLM, base, MaskedLM, SequenceClassification
-# classes; tests/inference/test_quantize_weight_tiled.py re-checks a few). For them the model need not
+# classes; tests/inference/test_quantize_weight.py re-checks a few). For them the model need not
 # be built unless weights are tied: importing transformers' modelling code takes seconds, longer than
 # quantizing 1 GB.
 LINEAR_BY_NAME_MODEL_TYPES = frozenset(
@@ -78,20 +80,11 @@ class LinearWeights:
 
 
 def build_meta_model(model_dir: Path, config: dict[str, Any]) -> tuple[Any, str]:
-    """The model of config.json built on the meta device, or (None, why not)."""
+    """The model of config.json built on the meta device (mixprec.hf.build_model), or (None, why not)."""
     try:
-        import transformers
-    except ImportError:
-        return None, "transformers not installed"
-    archs = config.get("architectures") or []
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
-        cls = getattr(transformers, archs[0], None) if archs else None
-        with torch.device("meta"):
-            model = cls(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
-    except Exception as e:  # any failure only means we fall back on names and shapes
-        return None, f"could not build the model on the meta device ({type(e).__name__}: {e})"
-    return model, ""
+        return build_model(config, source=model_dir, meta="all"), ""
+    except MixprecError as e:  # any failure only means we fall back on names and shapes
+        return None, f"could not build the model on the meta device ({e})"
 
 
 def _with_prefix_variants(model: Any, names: dict[str, Any]) -> dict[str, Any]:

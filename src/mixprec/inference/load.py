@@ -14,22 +14,22 @@ is nowhere falls back to dynamic per-tensor input scaling, with a warning.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.hf import build_model, config_dtype, read_config
 from mixprec.inference.experts import unfuse_skeleton
 from mixprec.inference.layouts import LayoutSpec, ModuleLayout, parse_quantization_config
 from mixprec.inference.linear import QuantizedLinear
 from mixprec.inference.linear_weights import conversion_transforms, rename_key
-from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
 from mixprec.inference.scales_file import (
     find_scales_file,
@@ -41,59 +41,6 @@ from mixprec.inference.scales_file import (
 )
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.scaling import QuantizedTensor
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device (no memory, no init work) but buffers for real:
-    non-persistent buffers (rotary tables) are not in checkpoints and must be computed."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def build_skeleton(model_dir: Path, config: dict[str, Any]) -> nn.Module:
-    try:
-        import transformers
-    except ImportError:
-        raise MixprecError(
-            "loading a Hugging Face checkpoint needs transformers: pip install 'mixprec[hf]'"
-        ) from None
-    cfg_dict = {k: v for k, v in config.items() if k != "quantization_config"}
-    model_type = cfg_dict.get("model_type")
-    if not model_type:
-        raise MixprecError(f"{model_dir}/config.json has no model_type")
-    try:
-        cfg = transformers.AutoConfig.for_model(**cfg_dict)
-    except Exception as e:
-        raise MixprecError(f"{model_dir}/config.json: transformers cannot read it ({e})") from None
-    dtype = cfg_dict.get("dtype") or cfg_dict.get("torch_dtype") or "float32"
-    archs = cfg_dict.get("architectures") or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    with _parameters_on_meta():
-        try:
-            model = cls(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
-        except Exception as e:
-            raise MixprecError(
-                f"{model_dir}: transformers cannot build {archs or model_type} ({e})"
-            ) from None
-    model.mixprec_dtype = getattr(torch, str(dtype).replace("torch.", ""), torch.float32)
-    return model
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
 
 
 def _scale_grid(scale: torch.Tensor, ml: ModuleLayout, shape: tuple[int, int], where: str) -> torch.Tensor:
@@ -149,13 +96,8 @@ def load_quantized(
     """
     root = Path(path)
     ckpt = open_checkpoint(root)
+    config = read_config(root)
     cfg_path = root / "config.json"
-    if not cfg_path.exists():
-        raise MixprecError(f"{root} has no config.json (expected a Hugging Face model directory)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise MixprecError(f"{cfg_path}: not valid JSON ({e})") from None
 
     file_doc, file_path = None, find_scales_file(root)
     if file_path is not None:
@@ -172,8 +114,8 @@ def load_quantized(
             "quantize it with `mixprec quantize` or load it normally and call mixprec.quantize_model_"
         )
 
-    model = build_skeleton(root, config)
-    dtype = model.mixprec_dtype
+    model = build_model(config, source=root)
+    dtype = config_dtype(config)
     # per-expert checkpoint weights of fused transformers experts become one Linear each (experts.py)
     part_of = unfuse_skeleton(
         model, {n[: -len(".weight")]: i.shape for n, i in ckpt.tensors.items() if n.endswith(".weight")}
@@ -188,7 +130,7 @@ def load_quantized(
     ckpt_module = {
         v[: -len(".weight")]: k[: -len(".weight")] for k, v in renamed.items() if k.endswith(".weight")
     }
-    report = QuantizationReport(recipe=spec.layout, kind="fp8", device=str(device),
+    report = ConversionReport(recipe=spec.layout, kind="fp8", device=str(device),
                                 param_dtype=str(dtype).replace("torch.", ""), scheme=spec.layout)  # fmt: skip
     file_layers = (file_doc or {}).get("layers", {})
     hand_layers = (hand or {}).get("layers", {})
@@ -277,7 +219,7 @@ def load_quantized(
         new = QuantizedLinear(q, bias, sch, input_scale=in_scale, out_dtype=dtype)
         if in_scale is None and not ml.input_dynamic:
             new.scheme = InferenceScheme(sch.name, sch.weight_granularity, sch.input_granularity, True)
-        _set_submodule(model, path, new)
+        replace_submodule(model, path, new)
         entry = layer_entry(
             scheme=sch.name, weight_granularity=ml.weight_granularity.name, weight_scale=q.scale, weight_amax=float("nan"),
             relative_weight_error=float("nan") if rel is None else rel, shape=shape, input_scale=in_scale,

@@ -15,47 +15,55 @@ a weight that is no Linear's, fused 3-D experts).
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
+from mixprec.files import atomic_output_dir, write_json_atomic
 from mixprec.formats import E4M3
+from mixprec.hf import load_model, load_tokenizer, read_config
 from mixprec.inference import layouts
+from mixprec.inference.calibration import (
+    NothingObserved,
+    calibrate,
+    load_texts,
+    make_observer,
+    token_batches,
+)
+from mixprec.inference.experts import unfuse_for_calibration
+from mixprec.inference.layerwise import calibrate_layerwise
 from mixprec.inference.linear_weights import FLOAT_DTYPES, LinearWeights, find_linear_weights
-from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.safetensors_io import (
     Checkpoint,
     PlannedShardWriter,
     PlannedTensor,
     ShardReader,
-    atomic_output_dir,
     check_output,
     copy_side_files,
     open_checkpoint,
     plan_shards,
     write_index,
-    write_json_atomic,
 )
 from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
 from mixprec.inference.schemes import (
     InferenceScheme,
     check_finite,
-    matches_any,
     quantize_weight,
     resolve_ignore,
     skip_reason,
 )
+from mixprec.progress import progress_bar
 from mixprec.scaling import compute_scale
+from mixprec.select import selects_any
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 
@@ -76,43 +84,13 @@ def parse_size(size: str | int) -> int:
         raise MixprecError(f"bad size {size!r} (use e.g. 500MB, 2GB)") from None
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
-    p = model_dir / "config.json"
-    if not p.exists():
-        raise MixprecError(f"{model_dir} has no config.json (expected a Hugging Face model directory)")
-    try:
-        cfg = json.loads(p.read_text())
-    except ValueError as e:
-        raise MixprecError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise MixprecError(f"{p}: must hold a JSON object")
+def read_source_config(model_dir: Path) -> dict[str, Any]:
+    """The input's config.json (mixprec.hf.read_config), refused when it is already quantized."""
+    cfg = read_config(model_dir)
     if "quantization_config" in cfg:
-        raise MixprecError(f"{p} already has a quantization_config ({cfg['quantization_config'].get('quant_method')}): "
-                           "the checkpoint is already quantized")  # fmt: skip
+        raise MixprecError(f"{model_dir / 'config.json'} already has a quantization_config "
+                           f"({cfg['quantization_config'].get('quant_method')}): the checkpoint is already quantized")  # fmt: skip
     return cfg
-
-
-def _load_for_calibration(model_dir: Path, config: dict[str, Any]):
-    try:
-        import transformers
-    except ImportError:
-        raise MixprecError("calibration needs transformers: pip install 'mixprec[hf]'") from None
-    archs = config.get("architectures") or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    cls = cls or transformers.AutoModel
-    model = cls.from_pretrained(str(model_dir), dtype="auto")
-    return model.eval()
-
-
-def _load_tokenizer(model_dir: Path):
-    try:
-        import transformers
-    except ImportError:
-        raise MixprecError("calibration needs transformers: pip install 'mixprec[hf]'") from None
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise MixprecError(f"calibration needs the tokenizer of {model_dir}: cannot load it ({e})") from None
 
 
 def _available_memory() -> int:
@@ -143,7 +121,7 @@ def quantize_checkpoint(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     layer_by_layer: bool | None = None,
     progress: bool = True,
-) -> QuantizationReport:
+) -> ConversionReport:
     """Quantize a local Hugging Face safetensors checkpoint to FP8; write it to output_dir atomically.
 
     layer_by_layer (calibration only): run the model one transformer block at a time (True), the
@@ -164,18 +142,16 @@ def quantize_checkpoint(
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     ckpt = open_checkpoint(model_dir)
     check_output(model_dir, output_dir, force)
-    config = read_config(model_dir)
+    config = read_source_config(model_dir)
     max_bytes = parse_size(max_shard_size)
     if sch.needs_calibration or kv_cache:
         if calib_data is None:
             raise MixprecError(f"{'scheme ' + sch.name if sch.needs_calibration else '--kv-cache fp8'} needs "
                                "--calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")  # fmt: skip
-        from mixprec.inference.calibration import load_texts, make_observer
-
         make_observer(observer)  # fail on a bad name before any work
         texts = load_texts(calib_data)
 
-    report = QuantizationReport(
+    report = ConversionReport(
         recipe=sch.name, kind="fp8", device="cpu", param_dtype=str(config.get("dtype") or config.get("torch_dtype")),
         scheme=sch.name, output=str(output_dir),
     )  # fmt: skip
@@ -198,27 +174,23 @@ def quantize_checkpoint(
     kv_amax: dict[int, tuple[float, float]] = {}
     calibration_info = None
     if sch.needs_calibration or kv_cache:
-        from mixprec.inference.calibration import NothingObserved, calibrate, token_batches
-
-        tok = _load_tokenizer(model_dir)
+        tok = load_tokenizer(model_dir)
         batches = token_batches(texts, tok, calib_samples, calib_seq_len)
         names = list(targets) if sch.needs_calibration else []
         if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
             layer_by_layer = ckpt.total_bytes > 0.5 * _available_memory()
         if layer_by_layer:
-            from mixprec.inference.layerwise import calibrate_layerwise
-
             n_blocks = int(config.get("num_hidden_layers") or 0)
-            with _progress(progress, "calibrating layer by layer", n_blocks or None) as advance:
+            with progress_bar(progress, "calibrating layer by layer", n_blocks or None) as advance:
                 input_amax, kv_amax, model = calibrate_layerwise(
                     model_dir, config, ckpt, batches, names, observer=observer, kv_cache=bool(kv_cache),
                     progress=advance,
                 )  # fmt: skip
         else:
-            model = _load_for_calibration(model_dir, config)
+            model = load_model(model_dir, dtype="auto").eval()
             paths = _calibration_modules(model, names, lw)
             try:
-                with _progress(progress, "calibrating", len(batches)) as advance:
+                with progress_bar(progress, "calibrating", len(batches)) as advance:
                     by_path, kv_amax = calibrate(
                         model, batches, list(paths.values()), observer=observer, kv_cache=bool(kv_cache),
                         progress=advance,
@@ -323,11 +295,11 @@ def _select(lw: LinearWeights, patterns: Sequence[str]) -> tuple[dict[str, tuple
             targets[name] = (out_f, in_f)
     # tied heads: readers see the module, the checkpoint lacks its weight
     for name, why in lw.unstored.items():
-        why = "ignored by pattern" if matches_any(name, patterns) else why
+        why = "ignored by pattern" if selects_any(name, patterns) else why
         skipped[name] = why
         kept[name] = ("Linear", why)
     for name, what in lw.not_linear.items():
-        if not matches_any(name, patterns):
+        if not selects_any(name, patterns):
             kept[name] = ("weight", f"{what}, not quantized")
         elif name not in lw.embeddings:  # e.g. MoE routers: Linear layers to readers such as vLLM
             skipped[name] = "ignored by pattern"
@@ -340,8 +312,6 @@ def _select(lw: LinearWeights, patterns: Sequence[str]) -> tuple[dict[str, tuple
 def _calibration_modules(model: Any, names: Sequence[str], lw: LinearWeights) -> dict[str, str]:
     """{checkpoint name: module path in the loaded model} of the Linears whose inputs are observed;
     fused experts are unfused first (experts.py) so that each expert's inputs can be seen."""
-    from mixprec.inference.experts import unfuse_for_calibration
-
     paths = unfuse_for_calibration(model, lw.experts) if any(n in lw.experts for n in names) else {}
     modules = dict(model.named_modules())
     out = {}
@@ -365,7 +335,7 @@ def _stream_tensors(
     names: dict[str, str],
     input_amax: dict[str, float],
     layers: dict[str, dict[str, Any]],
-    report: QuantizationReport,
+    report: ConversionReport,
     progress: bool,
 ) -> None:
     """Every input tensor to the writer, in plan order.
@@ -389,7 +359,7 @@ def _stream_tensors(
         with (
             ShardReader() as reader,
             ThreadPoolExecutor(max_workers=workers) as pool,
-            _progress(progress, f"quantizing ({sch.name})", len(ckpt.tensors)) as advance,
+            progress_bar(progress, f"quantizing ({sch.name})", len(ckpt.tensors)) as advance,
         ):
             todo = iter(ckpt.tensors.items())
             pending: deque = deque()  # (info, module, future or None), in plan order
@@ -519,24 +489,3 @@ def _attention_module_name(model: Any, layer_idx: int) -> str:
         if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "k_proj"):
             return name
     raise MixprecError(f"no attention module with layer_idx {layer_idx} and a k_proj for the KV-cache scales")
-
-
-def _progress(enabled: bool, description: str, total: int):
-    if not enabled:
-        return nullcontext(lambda: None)
-    return _RichProgress(description, total)
-
-
-class _RichProgress:
-    def __init__(self, description: str, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False)  # fmt: skip
-        self._task = self._p.add_task(description, total=total)
-
-    def __enter__(self):
-        self._p.__enter__()
-        return lambda: self._p.advance(self._task)
-
-    def __exit__(self, *exc):
-        return self._p.__exit__(*exc)

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration import calibrate, load_texts, token_batches
 from mixprec.inference.linear import QuantizedLinear
-from mixprec.inference.quant_report import QuantizationReport
 from mixprec.inference.scales_file import layer_entry
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
 from mixprec.scaling import compute_scale
@@ -38,12 +38,6 @@ def linear_targets(
             else:
                 targets.append(name)
     return targets, skipped
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
 
 
 def _calibration_batches(calib_data: Any, tokenizer: Any, samples: int, seq_len: int) -> Iterable[Any]:
@@ -79,8 +73,8 @@ def quantize_model_(
     calib_seq_len: int = 512,
     scales: dict[str, Any] | None = None,
     default_ignore: bool = True,
-) -> QuantizationReport:
-    """Quantize `model`'s Linears to FP8 in place and return a QuantizationReport.
+) -> ConversionReport:
+    """Quantize `model`'s Linears to FP8 in place and return a ConversionReport.
 
     scheme: "fp8-dynamic" | "fp8-static" | "fp8-block". ignore: extra module-name patterns kept in
     high precision (added to the defaults: lm_head, embeddings, norms, MoE routers). calib_data
@@ -94,7 +88,7 @@ def quantize_model_(
     modules = dict(model.named_modules())
     layers_in = (scales or {}).get("layers", {})
     param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    report = QuantizationReport(
+    report = ConversionReport(
         recipe=sch.name, kind="fp8", device=str(next((p.device for p in model.parameters()), "cpu")),
         param_dtype=str(param_dtype).replace("torch.", ""), scheme=sch.name,
     )  # fmt: skip
@@ -135,7 +129,7 @@ def quantize_model_(
                 in_scale = compute_scale(in_amax, E4M3).reshape(1)
         new = QuantizedLinear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
         new.train(False)
-        _set_submodule(model, name, new)
+        replace_submodule(model, name, new)
         modules[name] = new
         entry = layer_entry(
             scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,

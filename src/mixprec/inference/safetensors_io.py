@@ -1,5 +1,5 @@
 """Safetensors checkpoints: find and validate shards, read tensor by tensor with bounded memory, write
-planned shards incrementally, and publish an output directory atomically.
+planned shards incrementally (into a directory mixprec.files.atomic_output_dir publishes at the end).
 
 Reading: `ShardReader` reads each tensor's bytes with positioned reads (os.preadv) at the offsets the
 validated headers give, into memory the tensor owns or into a buffer the caller reuses: no memory map,
@@ -17,17 +17,15 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import threading
-import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.files import check_new_output
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
@@ -382,12 +380,6 @@ def write_index(out_dir: Path, weight_map: dict[str, str], total_size: int) -> N
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Output directory
 
@@ -404,45 +396,9 @@ def check_output(model_dir: Path, output_dir: Path, force: bool) -> None:
         raise MixprecError(
             f"output {output_dir} contains the input directory {model_dir}; choose another place"
         )
-    if output_dir.exists() and not force:
-        raise MixprecError(f"output {output_dir} already exists; pass --force (force=True) to replace it")
+    check_new_output(output_dir, force, flag="--force (force=True)")
     if output_dir.exists() and not output_dir.is_dir():
         raise MixprecError(f"output {output_dir} exists and is not a directory")
-
-
-@contextmanager
-def atomic_output_dir(output_dir: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary directory beside `output_dir`; on success it replaces `output_dir`, on any
-    error it is removed, and so are the parent folders this call created, leaving nothing behind."""
-    parent = output_dir.parent.absolute()
-    created = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
-    parent.mkdir(parents=True, exist_ok=True)
-
-    def remove_created() -> None:
-        for p in created:
-            try:
-                p.rmdir()  # only if empty: something another process put there stays
-            except OSError:
-                break
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_created()
-        raise
-    if output_dir.exists():
-        if not force:
-            shutil.rmtree(tmp, ignore_errors=True)
-            remove_created()
-            raise MixprecError(f"output {output_dir} appeared while quantizing; pass --force to replace it")
-        old = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(output_dir, old)
-        os.replace(tmp, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, output_dir)
 
 
 def copy_side_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str]:

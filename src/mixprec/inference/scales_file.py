@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.files import write_text_atomic
 
 SCHEMA_VERSION = 1
 SCALES_NAMES = ("model.fp8_scales.json", "fp8_scales.json")
@@ -90,9 +91,7 @@ def write_scales_file(path: Path, doc: dict[str, Any]) -> None:
     """The document with one line per layer: readable, and fast to write. (json.dumps with indent= runs
     the pure-Python encoder: 0.6 s for a 2 GB Llama's 387k per-channel scales, on the critical path;
     the C encoder, used for each layer's entry, takes a tenth of that.)"""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(_dumps_one_layer_per_line(doc) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, _dumps_one_layer_per_line(doc) + "\n")
 
 
 def _dumps_one_layer_per_line(doc: dict[str, Any]) -> str:

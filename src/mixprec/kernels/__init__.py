@@ -1,9 +1,18 @@
-"""Fast paths for FP8 on GPUs: fused quantization, native/Triton GEMMs, torch.compile, capability detection.
+"""Backends only: quantize kernels, GEMM kernels, and capability detection.
+
+- quantize backends, chosen by mixprec.quantization.quantize (bit-identical results):
+  `traceable` (graph-break-free torch, what torch.compile traces), `compiled` (that code compiled
+  by Inductor for the CPU; also graph-break checks), `tiled` (CPU tiles in reused buffers, bounded
+  memory, optional error statistics), `triton_quant` (fused Triton kernels for CUDA);
+- GEMM kernels, chosen by mixprec.gemm.scaled_mm: `native` (probed torch._scaled_mm / F.scaled_mm
+  scale layouts, the blockwise plan, the kernel report for `mixprec doctor`) and
+  `triton_blockwise_gemm`;
+- `hardware`: what this machine can run, detected, never assumed.
 
 Everything here imports on a CPU-only machine without triton. The Triton modules
-(`triton_quant`, `triton_blockwise_gemm`) import triton themselves: reach them through
-`mixprec.kernels.native` (which loads them only when triton and a CUDA device are there), or import
-them directly in code that already knows triton is installed (tests use TRITON_INTERPRET=1 on CPU).
+(`triton_quant`, `triton_blockwise_gemm`) import triton themselves: they are reached through imports
+inside functions where triton is known to be installed (tests use TRITON_INTERPRET=1 on CPU).
+Kernels import only the numerics (formats, scaling) and each other.
 """
 
 from __future__ import annotations
@@ -12,7 +21,6 @@ from mixprec.kernels.native import (
     blockwise_backend,
     native_gemm,
     native_kernel_report,
-    quantize_fast,
     triton_version,
 )
 
@@ -20,6 +28,5 @@ __all__ = [
     "blockwise_backend",
     "native_gemm",
     "native_kernel_report",
-    "quantize_fast",
     "triton_version",
 ]

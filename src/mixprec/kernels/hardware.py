@@ -1,4 +1,7 @@
-"""What this machine runs natively, detected (never assumed), and what mixprec would pick on it."""
+"""What this machine has, detected (never assumed): CPU flags, CUDA device and compute capability,
+whether torch._scaled_mm works. These are facts about the chips; what mixprec runs on them is decided
+by the GEMM seam (mixprec.gemm) and shown, with the recipe that fits, by `mixprec doctor`.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class Capabilities:
     cuda_capability: tuple[int, int] | None
     bf16_tensor_cores: bool
     fp8_native: bool  # FP8 tensor cores (SM 8.9+) with a working torch._scaled_mm
-    mxfp8_native: bool  # SM 10.0+
+    mxfp8_native: bool  # MXFP8 tensor cores (SM 10.0+); mixprec.gemm still emulates MX GEMMs there
     scaled_mm_cpu: bool  # torch._scaled_mm runs on this CPU (tensorwise and rowwise)
     scaled_mm_cuda: bool
 
@@ -43,20 +46,28 @@ class Capabilities:
         return d
 
 
+def parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
+    """(model name, flags) of the first processor in /proc/cpuinfo's text (x86: "flags" names
+    avx512_bf16, amx_bf16, amx_tile when the CPU has them)."""
+    model, flags = None, None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and flags is None:
+            flags = set(value.split())
+        if model is not None and flags is not None:
+            break
+    return model, flags or set()
+
+
 def _cpu_info() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = None, set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name":
-                model = value.strip()
-            elif key == "flags":
-                flags = set(value.split())
-            if model and flags:
-                break
-    return model, flags
+        model, flags = parse_cpuinfo(cpuinfo.read_text(errors="replace"))
+    return model or platform.processor() or platform.machine(), flags
 
 
 def _scaled_mm_works(device: str) -> bool:
@@ -107,34 +118,3 @@ def describe_machine(caps: Capabilities | None = None) -> str:
     caps = caps or detect()
     where = caps.cuda_device if caps.cuda_available else f"CPU {caps.cpu_model}"
     return f"{where}; torch {caps.torch_version}; Python {caps.python_version}"
-
-
-def recommendation(caps: Capabilities | None = None) -> dict:
-    """Which recipe and GEMM kernels mixprec would choose on this machine, and why."""
-    caps = caps or detect()
-    if caps.mxfp8_native:
-        recipe, why = "fp8-mxfp8", "SM 10.0+: MXFP8 tensor cores with E8M0 block scales"
-    elif caps.fp8_native:
-        recipe, why = (
-            "fp8-delayed",
-            "SM 8.9+: FP8 tensor cores via torch._scaled_mm (per-tensor scales fastest)",
-        )
-    elif caps.bf16_tensor_cores:
-        recipe, why = "bf16", "BF16 tensor cores but no FP8: train in bf16"
-    else:
-        recipe, why = (
-            "fp8-delayed",
-            "no FP8 hardware: FP8 runs emulated (same numerics), for validation, not speed",
-        )
-    kernels = {
-        "tensorwise": "native torch._scaled_mm" if caps.fp8_native else "emulated (dequantize + fp32 matmul)",
-        "rowwise": "native torch._scaled_mm" if caps.fp8_native else "emulated (dequantize + fp32 matmul)",
-        "blockwise": "native (F.scaled_mm / Triton) where supported" if caps.fp8_native else "emulated",
-        "mxfp8": "native" if caps.mxfp8_native else "emulated (no MXFP8 tensor cores)",
-        "bf16_matmul": (
-            "native bf16 tensor cores" if caps.bf16_tensor_cores
-            else "native bf16 CPU kernels" if caps.cpu_bf16_native
-            else "fp32 matmul rounded to bf16 (native bf16 is slow on this CPU)"
-        ),
-    }  # fmt: skip
-    return {"recipe": recipe, "reason": why, "gemm_kernels": kernels}

@@ -1,16 +1,17 @@
 """Which fast kernel runs what on this machine — probed with a real call, never assumed.
 
-    from mixprec.kernels.native import native_kernel_report, blockwise_backend, native_gemm, quantize_fast
+    from mixprec.kernels.native import native_kernel_report, blockwise_backend, native_gemm
 
 - Blockwise (1x128 x 128x128, 1x128 x 1x128) FP8 GEMM: `F.scaled_mm` (torch >= 2.10's v2 API) or
   `torch._scaled_mm` with blockwise scales, where the installed torch/CUDA accepts it: each candidate
   scale layout is tried on a small random problem and kept only if its result matches the emulation;
   otherwise the Triton kernel (mixprec.kernels.triton_blockwise_gemm); otherwise emulation.
-- MXFP8 (1x32 blocks, E8M0 scales): native only on SM 10.0+ (Blackwell) through F.scaled_mm; on
-  Hopper and CPUs it is emulated, and `native_kernel_report()` says so (for `mixprec doctor`).
-- Quantization: the fused Triton kernels (mixprec.kernels.triton_quant) on CUDA where triton is
-  installed; inside torch.compile the graph-break-free torch version (mixprec.kernels.traceable);
-  else mixprec.scaling.quantize. All three give bit-identical payloads and scales.
+- MXFP8 (1x32 blocks, E8M0 scales): emulated on every device. SM 10.0+ (Blackwell) has the tensor
+  cores and F.scaled_mm takes them with swizzled E8M0 scales, which is not wired up yet;
+  `native_kernel_report()` says so (for `mixprec doctor`).
+- Quantization is not chosen here: mixprec.quantization.quantize picks among the quantize backends
+  of this package (traceable, compiled, tiled, triton); `quantize_backend` says what it picks for
+  FP8 on a device, for the report.
 
 Everything here imports on a CPU-only machine without triton: triton modules load lazily.
 """
@@ -23,8 +24,12 @@ from functools import cache
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format
-from mixprec.scaling import Granularity, QuantizedTensor, quantize
+from mixprec.formats import E4M3
+from mixprec.kernels.compiled import division_rounding_option
+from mixprec.kernels.hardware import detect
+from mixprec.kernels.tiled import TILED_MIN_ELEMENTS
+from mixprec.kernels.traceable import quantize_traceable
+from mixprec.scaling import Granularity, QuantizedTensor
 
 SCHEMA_VERSION = 1
 BLOCK = 128
@@ -130,6 +135,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _probe_operand(x: torch.Tensor, g: Granularity) -> QuantizedTensor:
+    """An E4M3 operand for the probe (kernels.traceable: the payloads every quantize backend gives)."""
+    data, scale, _ = quantize_traceable(x, E4M3, g)
+    return QuantizedTensor(data, scale, E4M3, g, x.shape)
+
+
 def _probe(device: torch.device, b_rows: int, calls: dict) -> dict:
     """probe_blockwise's search over `calls` (name -> fn(a, b, sa, sb, out_dtype, bias)) on any device."""
     result = _empty_probe()
@@ -137,8 +148,8 @@ def _probe(device: torch.device, b_rows: int, calls: dict) -> dict:
     m, n, k = 256, 256, 512
     x = torch.randn(m, k, generator=gen) * 3
     w = torch.randn(n, k, generator=gen) * 0.05
-    qa = quantize(x, "e4m3", Granularity.blocks(1, BLOCK))
-    qb = quantize(w, "e4m3", Granularity.blocks(b_rows, BLOCK))
+    qa = _probe_operand(x, Granularity.blocks(1, BLOCK))
+    qb = _probe_operand(w, Granularity.blocks(b_rows, BLOCK))
     ref = _emulate(qa, qb)
     qa = QuantizedTensor(qa.data.to(device), qa.scale.to(device), qa.fmt, qa.granularity, qa.shape)
     qb = QuantizedTensor(qb.data.to(device), qb.scale.to(device), qb.fmt, qb.granularity, qb.shape)
@@ -203,8 +214,6 @@ def _select(device: torch.device | str, b_rows: int) -> tuple[str, str | None, s
     if torch.device(device).type != "cuda":
         choice = ("emulated", None, None, False)
     else:
-        from mixprec.kernels.hardware import detect
-
         if not detect().fp8_native:
             choice = ("emulated", None, None, False)
         else:
@@ -315,53 +324,14 @@ def native_gemm(
 # Quantization
 
 
-def quantize_fast(
-    x: torch.Tensor,
-    fmt: str | Format,
-    granularity: Granularity | None = None,
-    *,
-    scale: torch.Tensor | None = None,
-    margin: int = 0,
-    power_of_two: bool = False,
-    validate: bool = True,
-) -> QuantizedTensor:
-    """scaling.quantize, bit-identical, by the fastest path available for this tensor.
-
-    Under torch.compile: the traceable torch version (Inductor fuses it). On CUDA with triton: the
-    fused Triton kernels. Otherwise (CPU, or a case the kernels do not cover): scaling.quantize.
-    validate=False: a given scale is not checked (finite, positive) on the fused path, which would
-    sync with the GPU (the traceable path never checks; scaling.quantize always does).
-    """
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and compiler.is_compiling():
-        from mixprec.kernels.traceable import quantize_traceable
-
-        return quantize_traceable(x, fmt, granularity, scale=scale, margin=margin, power_of_two=power_of_two)
-    if x.is_cuda and triton_usable(x.device):
-        from mixprec.kernels import triton_quant
-
-        if triton_quant.unsupported_reason(x, fmt, granularity) is None:
-            return triton_quant.fused_quantize(
-                x, fmt, granularity, scale=scale, margin=margin, power_of_two=power_of_two, validate=validate
-            )
-    return quantize(x, fmt, granularity, scale=scale, margin=margin, power_of_two=power_of_two)
-
-
-def fused_quantize_applies(x: torch.Tensor, fmt: str | Format, granularity: Granularity | None) -> bool:
-    """Whether quantize_fast has a faster path than the eager torch code for this tensor: inside a
-    torch.compile trace (the traceable version) or on CUDA with triton (the fused kernels). On the CPU
-    the eager code is what quantize_fast would run anyway."""
-    if _compiling():
-        return True
-    if not (x.is_cuda and triton_usable(x.device)):
-        return False
-    from mixprec.kernels import triton_quant
-
-    return triton_quant.unsupported_reason(x, fmt, granularity) is None
-
-
 def quantize_backend(device: torch.device | str) -> str:
-    return "triton-fused" if triton_usable(device) else "torch eager (mixprec.gemm.quantize_operand)"
+    """The backend mixprec.quantization.quantize picks for FP8 on `device` outside torch.compile (see
+    there: under torch.compile it is "traceable")."""
+    if triton_usable(device):
+        return "triton"
+    if torch.device(device).type == "cpu":
+        return f"eager; tiled from {TILED_MIN_ELEMENTS} elements"
+    return "eager"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -369,18 +339,19 @@ def quantize_backend(device: torch.device | str) -> str:
 
 
 def _mx_status(caps) -> tuple[str, bool, str]:
+    """MX GEMMs run emulated on every device, SM 10.0+ included: F.scaled_mm wants swizzled E8M0 scales
+    there, which mixprec does not produce yet, so mixprec.gemm.native_available refuses MX (the same
+    answer; tests/test_doctor.py checks the two agree under faked capabilities)."""
     if not caps.cuda_available:
         return "emulated", False, "no CUDA device: MXFP8 is emulated (dequantize + fp32 matmul)"
     if not caps.mxfp8_native:
         cap = ".".join(map(str, caps.cuda_capability or ()))
         return "emulated", False, f"SM {cap} has no MXFP8 tensor cores (SM 10.0+): MXFP8 is emulated"
-    import torch.nn.functional as F
-
-    ok = hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise1x32")
     return (
-        ("F.scaled_mm" if ok else "emulated"),
-        ok,
-        "" if ok else "this torch has no F.scaled_mm BlockWise1x32",
+        "emulated",
+        False,
+        "this GPU has MXFP8 tensor cores, but mixprec's native MXFP8 GEMM is not wired up yet "
+        "(swizzled E8M0 scales): MXFP8 is emulated",
     )
 
 
@@ -389,9 +360,9 @@ def native_kernel_report(device: torch.device | str | None = None) -> dict:
 
     {"schema_version", "device", "triton", "gemm": {kind: {"backend", "native", "note"}},
      "quantize": {...}, "compile": {...}}. Probes run once per process (a few small GEMMs on CUDA).
+    The "gemm" entries are what the backends offer here; `mixprec doctor` shows the GEMM seam's own
+    choice per kind (mixprec.gemm.will_emulate), which tests keep equal to these.
     """
-    from mixprec.kernels.hardware import detect
-
     caps = detect()
     if device is None:
         device = "cuda" if caps.cuda_available else "cpu"
@@ -427,8 +398,6 @@ def native_kernel_report(device: torch.device | str | None = None) -> dict:
         }
     mx_backend, mx_native, mx_note = _mx_status(caps)
     gemm["mxfp8"] = {"backend": mx_backend, "native": mx_native, "note": mx_note}
-    from mixprec.kernels.compiled import division_rounding_option
-
     div = division_rounding_option()
     return {
         "schema_version": SCHEMA_VERSION,
@@ -438,7 +407,10 @@ def native_kernel_report(device: torch.device | str | None = None) -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version(),
         "gemm": gemm,
-        "quantize": {"backend": quantize_backend(device), "bit_identical_to": "mixprec.scaling.quantize"},
+        "quantize": {
+            "backend": quantize_backend(device),
+            "bit_identical_to": "mixprec.quantization.quantize(backend='eager')",
+        },
         "compile": {
             "quantize": "mixprec.kernels.traceable.quantize_traceable (no graph breaks)",
             "inductor_eager_division": (
@@ -470,12 +442,10 @@ __all__ = [
     "blockwise_mm",
     "blockwise_plan",
     "describe_report",
-    "fused_quantize_applies",
     "native_gemm",
     "native_kernel_report",
     "probe_blockwise",
     "quantize_backend",
-    "quantize_fast",
     "triton_usable",
     "triton_version",
 ]

@@ -1,36 +1,37 @@
-"""`scaling.quantize` rewritten without data-dependent Python branches, so torch.compile traces it whole.
+"""The "traceable" quantize backend: no data-dependent Python, so torch.compile traces it whole.
 
-`mixprec.scaling.quantize` asks `bool(tensor)` questions (are all amaxes finite? is a given scale
-valid?) and probes torch's cast behaviour through a cached helper: each of those is a graph break
-under torch.compile. This version computes the same thing with tensor ops only:
-- amax over the finite elements directly (`where(isfinite(x), |x|, 0)`), which is what `block_amax`
-  returns in both of its branches;
-- scales through the same `compute_scale` / `compute_mx_scale` (pure tensor code);
-- the payload as `where(isnan(y), y, clamp(y, ±max)).to(fp8)` with y = x / scale: saturation is
-  explicit, so the result does not depend on how a torch version casts overflow, and the in-range
-  cast is round-to-nearest-even everywhere.
-A given scale is only reshaped to the grid, not validated (validation needs `bool(tensor)`): callers
-on the hot path pass scales they computed themselves.
+The eager backend asks `bool(tensor)` questions (are all amaxes finite? is a given scale valid?) and
+probes torch's cast behaviour through a cached helper: each of those is a graph break under
+torch.compile. This backend computes the same thing with tensor ops only:
+- amax over the finite elements directly (`where(isfinite(x), |x|, 0)`), which is what
+  `scaling.block_amax` returns in both of its branches;
+- scales by `scaling.scale_from_amax` (pure tensor code);
+- the payload: for torch's FP8 dtypes `where(y != y, y, clamp(y, ±max)).to(fp8)` with
+  y = x / scale (saturation is explicit, so the result does not depend on how a torch version casts
+  overflow, and the in-range cast is round-to-nearest-even everywhere); for the sub-byte formats
+  `formats.saturating_codes`, out of place, with a NaN flag for the caller to act on.
+A given scale is used as the caller passes it (on the grid, fp32): mixprec.quantization validates
+it outside traced code.
 
-Bit-identical to `scaling.quantize` for e4m3/e5m2 payloads (tested, eager and compiled). Note for GPU
-compilation: Inductor lowers fp32 `/` to Triton's approximate division unless told to round like
-eager; `mixprec.kernels.compiled` turns that on.
+mixprec.quantization picks it under torch.compile; mixprec.kernels.compiled compiles it for the CPU
+(and for GPUs with Inductor, where fp32 `/` must round like eager: see compile_options there).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mixprec.errors import MixprecError
-from mixprec.formats import Format, get_format
-from mixprec.scaling import (
-    Granularity,
-    QuantizedTensor,
-    _blocked,
-    as_2d,
-    compute_mx_scale,
-    compute_scale,
-)
+from mixprec.formats import Format, saturating_codes
+from mixprec.scaling import Granularity, expand_scale, scale_from_amax
+
+
+def _zero_padded_blocks(a: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """[R, C] -> [nR, br, nC, bc], zero-padding the edge blocks (zeros change no amax)."""
+    rows, cols = a.shape
+    pr, pc = (-rows) % br, (-cols) % bc
+    if pr or pc:
+        a = torch.nn.functional.pad(a, (0, pc, 0, pr))
+    return a.reshape(a.shape[0] // br, br, a.shape[1] // bc, bc)
 
 
 def finite_block_amax(x2: torch.Tensor, g: Granularity) -> torch.Tensor:
@@ -44,35 +45,16 @@ def finite_block_amax(x2: torch.Tensor, g: Granularity) -> torch.Tensor:
     if g.block_rows == 1 and g.block_cols is None:
         return a.amax(dim=1, keepdim=True)
     br, bc = g.block_shape(rows, cols)
-    return _blocked(a, br, bc).amax(dim=(1, 3))
-
-
-def scale_from_amax(
-    amax: torch.Tensor, fmt: Format, g: Granularity, margin: int = 0, power_of_two: bool = False
-):
-    if g.scale_format == "e8m0":
-        return compute_mx_scale(amax, fmt, g.mx_rounding)
-    return compute_scale(amax, fmt, margin, power_of_two)
-
-
-def expand_scale(scale: torch.Tensor, g: Granularity, rows: int, cols: int) -> torch.Tensor:
-    """The scale grid broadcast to one scale per element ([R, C], or broadcastable to it).
-
-    Used instead of `scaling.apply_blockwise`'s pad-reshape-slice view because torch 2.13's CPU
-    Inductor miscompiles that pattern followed by a clamp (edge-block elements read garbage; seen
-    here 2026-11-30). Dividing by the expanded scale gives the same values.
-    """
-    br, bc = g.block_shape(rows, cols)
-    if scale.shape[0] > 1 and br > 1:
-        scale = scale.repeat_interleave(br, dim=0)[:rows]
-    if scale.shape[1] > 1 and bc > 1:
-        scale = scale.repeat_interleave(bc, dim=1)[:, :cols]
-    return scale
+    return _zero_padded_blocks(a, br, bc).amax(dim=(1, 3))
 
 
 def divide_by_scale(x2: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:
     """x2 / (each element's block scale), out of place: a reshape when the blocks tile x2 exactly
-    (one broadcast division), else the expanded scale (see expand_scale). Same quotients either way."""
+    (one broadcast division), else the expanded scale. Same quotients either way.
+
+    Not apply_blockwise's block views or a pad-reshape-slice: torch 2.13's CPU Inductor miscompiled
+    that pattern followed by a clamp (edge-block elements read garbage; seen here 2026-11-30).
+    """
     rows, cols = x2.shape
     br, bc = g.block_shape(rows, cols)
     if scale.shape in ((1, 1), (rows, 1), (1, cols)):
@@ -82,33 +64,32 @@ def divide_by_scale(x2: torch.Tensor, scale: torch.Tensor, g: Granularity) -> to
     return x2 / expand_scale(scale, g, rows, cols)
 
 
-def cast_saturating(y: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Saturating RNE cast of fp32 values to fmt's torch dtype; NaN stays NaN."""
-    clamped = y.clamp(-fmt.max, fmt.max)  # clamp propagates NaN
-    return clamped.to(fmt.torch_dtype)
-
-
 def quantize_traceable(
-    x: torch.Tensor,
-    fmt: str | Format,
-    granularity: Granularity | None = None,
+    x2: torch.Tensor,
+    fmt: Format,
+    g: Granularity,
     *,
     scale: torch.Tensor | None = None,
     margin: int = 0,
     power_of_two: bool = False,
-) -> QuantizedTensor:
-    """`scaling.quantize` (same arguments, bit-identical result for e4m3/e5m2) in graph-break-free tensor ops."""
-    g = granularity or Granularity.tensor()
-    fmt = get_format(fmt)
-    if fmt.torch_dtype is None or fmt.bits != 8:
-        raise MixprecError(f"quantize_traceable covers torch's FP8 dtypes, not {fmt.name}")
-    x2 = as_2d(x).float()
-    grid = g.scale_shape(*x2.shape)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(payload, scale, has_nan) of the 2-D x2 in graph-break-free tensor ops. has_nan: a bool tensor
+    for formats without a NaN code (the caller refuses a NaN input), None for torch's FP8 dtypes."""
+    x2 = x2.float()
     if scale is None:
         scale = scale_from_amax(finite_block_amax(x2, g), fmt, g, margin, power_of_two)
     else:
         # a copy, not the caller's tensor: the payload's scale is saved for backward, and torch.compile
         # cannot save a tensor that aliases one made outside the autograd.Function's forward
-        scale = scale.float().reshape(grid).clone()
-    data = cast_saturating(divide_by_scale(x2, scale, g), fmt)
-    return QuantizedTensor(data, scale, fmt, g, x.shape)
+        scale = scale.clone()
+    y = divide_by_scale(x2, scale, g)
+    if fmt.torch_dtype is not None:
+        # NaN kept as is: Inductor's CPU clamp turns NaN into the all-ones pattern (a negative NaN), which
+        # would cast to 0xFF where eager gives 0x7F. `y != y` rather than isnan: it stays vector code in
+        # Inductor's CPU kernel (isnan made the whole quantize ~1.5x slower, measured at 4096x4096)
+        saturated = torch.where(y != y, y, y.clamp(-fmt.max, fmt.max))
+        return saturated.to(fmt.torch_dtype), scale, None
+    return saturating_codes(y, fmt), scale, torch.isnan(y).any()
+
+
+__all__ = ["divide_by_scale", "finite_block_amax", "quantize_traceable"]

@@ -1,25 +1,26 @@
-"""Fused FP8 quantization in Triton: amax, scale and cast in one pass over memory (two for per-tensor).
+"""The "triton" quantize backend: amax, scale and cast in one pass over memory (two for per-tensor).
 
-Bit-identical to `mixprec.scaling.quantize` by construction, not by luck:
+Bit-identical to the eager backend of mixprec.quantization by construction, not by luck:
 - amax is taken over the finite elements of each block (NaN/inf count as 0), as `block_amax` does;
-- the scale follows `compute_scale` / `compute_mx_scale` exactly (fp32 division rounded to nearest,
-  the frexp-based power-of-two rules, the guards for zero / non-finite amax and fp32 underflow);
+- the scale follows `scaling.scale_from_amax` exactly (fp32 division rounded to nearest, the
+  frexp-based power-of-two rules, the guards for zero / non-finite amax and fp32 underflow): the
+  host side calls it, the kernels carry its kernel-language copy (_scale_from_amax);
 - the payload is cast(x / scale) with `tl.math.div_rn` (Triton's plain `/` on fp32 is the approximate
   `div.full.f32`, one ulp off now and then), saturated to ±max with NaN kept;
-- rounding to the FP8 grid is done here in fp32 (round-to-nearest-even by the magic-number trick, the
-  same one `formats._round_magnitude` uses) and the payload byte is assembled from the rounded value's
-  bits (NaN -> S.1111111, as torch's casts give). No fp32->fp8 conversion instruction is used: the
-  payload is independent of it, of the GPU generation (no fp8 type support needed) and of the Triton
-  interpreter, whose fp32->fp8 conversion drops the carry into the next binade and maps NaN to 0x7C
-  (seen with Triton 3.9: 31.6 -> 16 instead of 32).
+- rounding to the FP8 grid is done here in fp32 (round-to-nearest-even by the magic-number trick: a
+  kernel-language copy of `formats.round_to_grid`, the torch original) and the payload byte is
+  assembled from the rounded value's bits (NaN -> S.1111111, as torch's casts give). No fp32->fp8
+  conversion instruction is used: the payload is independent of it, of the GPU generation (no fp8
+  type support needed) and of the Triton interpreter, whose fp32->fp8 conversion drops the carry into
+  the next binade and maps NaN to 0x7C (seen with Triton 3.9: 31.6 -> 16 instead of 32).
 
 Per-tensor scaling takes two passes (per-tile amax partials, their max, then the cast); rows, 1xN
 tiles, NxN blocks and MX blocks take one (each program owns whole blocks). Rows longer than
 `MAX_TILE` elements, and column-like blocks, run on the transposed strides or as amax-then-cast.
 
-This module imports triton at import time: import it only where triton is installed (see
-`mixprec.kernels.triton_available`). With TRITON_INTERPRET=1 set before the import, the kernels run
-on CPU tensors (slowly) — that is how the CPU tests check bit-identity.
+This module imports triton at import time: mixprec.quantization imports it only where triton is
+installed. With TRITON_INTERPRET=1 set before the import, the kernels run on CPU tensors (slowly) —
+that is how the CPU tests check bit-identity.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import triton
 import triton.language as tl
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3, E5M2, Format, check_float_tensor, get_format
-from mixprec.scaling import Granularity, QuantizedTensor, _check_scale, as_2d, compute_mx_scale, compute_scale
+from mixprec.formats import E4M3, E5M2, Format, get_format
+from mixprec.scaling import Granularity, scale_from_amax
 
 # Elements one program owns (visited in pieces of SUB_TILE): a 128x128 block, or a row up to 64k wide.
 MAX_TILE = 65536
@@ -56,7 +57,8 @@ def _pow2(k):
 
 @triton.jit
 def _scale_from_amax(amax, DENOM: tl.constexpr, QMAX: tl.constexpr, EMAX: tl.constexpr, KIND: tl.constexpr):
-    """compute_scale (KIND 0/1) or compute_mx_scale (KIND 2/3) of a finite, non-negative amax."""
+    """scaling.scale_from_amax in kernel language: compute_scale (KIND 0/1) or compute_mx_scale
+    (KIND 2/3) of a finite, non-negative amax."""
     if KIND == 0 or KIND == 1:
         s = tl.math.div_rn(amax, DENOM)
         usable = (amax > 0) & (s < float("inf"))
@@ -95,7 +97,8 @@ def _fp8_code(y, QMAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MIN
     binade = (ax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     binade = tl.maximum(binade, MIN_NORMAL)
     magic = 2.0 ** (23 - MANT)
-    r = ((tl.math.div_rn(ax, binade) + magic) - magic) * binade  # exact on the format's grid
+    # formats.round_to_grid in kernel language (the torch original): exact on the format's grid
+    r = ((tl.math.div_rn(ax, binade) + magic) - magic) * binade
     rb = r.to(tl.int32, bitcast=True)
     normal = ((((rb >> 23) & 0xFF) - 127 + BIAS) << MANT) | ((rb & 0x7FFFFF) >> (23 - MANT))
     r_num = tl.minimum(tl.where(r == r, r, 0.0), MIN_NORMAL)  # keeps the (unused) branch in int range
@@ -196,7 +199,7 @@ def _p2(n: int) -> int:
 
 
 def unsupported_reason(x: torch.Tensor, fmt: str | Format, granularity: Granularity | None) -> str | None:
-    """Why the fused kernels cannot take this case (then use scaling.quantize), or None."""
+    """Why the fused kernels cannot take this case (then another backend), or None."""
     fmt = get_format(fmt)
     g = granularity or Granularity.tensor()
     if fmt not in SUPPORTED_FORMATS:
@@ -291,42 +294,28 @@ def _reduce_partials(part: torch.Tensor, plan: _Plan, grid: tuple[int, int]) -> 
 
 
 def fused_quantize(
-    x: torch.Tensor,
+    x2: torch.Tensor,
     fmt: str | Format,
-    granularity: Granularity | None = None,
+    g: Granularity,
     *,
     scale: torch.Tensor | None = None,
     margin: int = 0,
     power_of_two: bool = False,
-    validate: bool = True,
-) -> QuantizedTensor:
-    """`mixprec.scaling.quantize` with the same arguments and a bit-identical result, in Triton.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, scale) of the 2-D x2 in Triton; scale: given on the grid (fp32, x2's device) or None.
 
-    Raises MixprecError for what the kernels do not cover (see unsupported_reason); callers that want
-    a silent fallback use `mixprec.kernels.native.quantize_fast`. validate=False: a given scale is only
-    reshaped to the grid (its finite/positive check syncs with the GPU; hot-path callers computed it).
+    MixprecError for what the kernels do not cover (see unsupported_reason).
     """
-    g = granularity or Granularity.tensor()
     fmt = get_format(fmt)
-    check_float_tensor(x, "x")
-    if x.numel() == 0:
-        raise MixprecError(f"cannot quantize an empty tensor (shape {tuple(x.shape)})")
-    reason = unsupported_reason(x, fmt, g)
+    reason = unsupported_reason(x2, fmt, g)
     if reason:
         raise MixprecError(f"fused quantize: {reason}")
-    if x.dtype == torch.float64:
-        x = x.float()  # scaling.quantize rounds fp64 to fp32 first; so must the kernel
-    x2 = as_2d(x)
+    if x2.dtype == torch.float64:
+        x2 = x2.float()  # every backend rounds fp64 to fp32 first; so must the kernel
     grid_shape = g.scale_shape(*x2.shape)
-    q = torch.empty(tuple(x2.shape), dtype=fmt.torch_dtype, device=x.device)
+    q = torch.empty(tuple(x2.shape), dtype=fmt.torch_dtype, device=x2.device)
     given = scale is not None
-    if given:
-        if validate:
-            s = _check_scale(scale, grid_shape, g).to(x.device).contiguous()
-        else:
-            s = scale.reshape(grid_shape).to(device=x.device, dtype=torch.float32).contiguous()
-    else:
-        s = torch.empty(grid_shape, dtype=torch.float32, device=x.device)
+    s = scale.contiguous() if given else torch.empty(grid_shape, dtype=torch.float32, device=x2.device)
 
     rows, cols = x2.shape
     br, bc = g.block_rows, g.block_cols
@@ -344,15 +333,12 @@ def fused_quantize(
         _launch(x2, q, s, xs, qs, cast_ss, rows, cols, _FUSED, plan, fmt, g, margin, power_of_two)
     else:
         n_r = rows if plan.per_row else triton.cdiv(rows, plan.tr)
-        part = torch.empty((n_r, triton.cdiv(cols, plan.bc)), dtype=torch.float32, device=x.device)
+        part = torch.empty((n_r, triton.cdiv(cols, plan.bc)), dtype=torch.float32, device=x2.device)
         one = replace(plan, tpb_r=1, tpb_c=1)
         _launch(x2, q, part, xs, qs, part.stride(), rows, cols, _AMAX, one, fmt, g, margin, power_of_two)
         amax = _reduce_partials(part, plan, grid_shape[::-1] if transposed else grid_shape)
         if transposed:
             amax = amax.t()
-        if g.scale_format == "e8m0":
-            s.copy_(compute_mx_scale(amax, fmt, g.mx_rounding))
-        else:
-            s.copy_(compute_scale(amax, fmt, margin, power_of_two))
+        s.copy_(scale_from_amax(amax, fmt, g, margin, power_of_two))
         _launch(x2, q, s, xs, qs, cast_ss, rows, cols, _CAST, plan, fmt, g, margin, power_of_two)
-    return QuantizedTensor(q, s, fmt, g, x.shape)
+    return q, s

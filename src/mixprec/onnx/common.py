@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from mixprec.errors import MixprecError
+from mixprec.files import check_new_output, staged_files
 
 MIN_OPSET = 19  # FP8 types in QuantizeLinear / DequantizeLinear arrived in opset 19
 
@@ -57,28 +57,19 @@ def check_output(output: Path, force: bool, inputs: tuple[Path, ...] = ()) -> No
     for i in inputs:
         if i.exists() and output.exists() and output.resolve() == i.resolve():
             raise MixprecError(f"output {output} is the input: inputs are never modified")
-    if output.exists() and not force:
-        raise MixprecError(f"output {output} exists (use --force to overwrite)")
+    check_new_output(output, force)
     if output.suffix != ".onnx":
         raise MixprecError(f"output {output} must end in .onnx")
 
 
 def save_model_atomic(model, output: Path) -> Path:
-    """Write next to the target, then rename; graphs over 2 GB keep their weights in `<name>.data`."""
+    """Write beside the target, then rename; graphs over 2 GB keep their weights in `<name>.data`."""
     onnx = need_onnx()
-    output.parent.mkdir(parents=True, exist_ok=True)
     big = model.ByteSize() > 1_900_000_000 if hasattr(model, "ByteSize") else False
-    tmpdir = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}."))
-    try:
+    with staged_files(output.parent) as tmpdir:
         tmp = tmpdir / output.name
         if big:
             onnx.save_model(model, str(tmp), save_as_external_data=True, location=output.name + ".data")
         else:
             onnx.save_model(model, str(tmp))
-        for f in tmpdir.iterdir():
-            os.replace(f, output.parent / f.name)
-    finally:
-        for f in tmpdir.iterdir():
-            f.unlink()
-        tmpdir.rmdir()
     return output

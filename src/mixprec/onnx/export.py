@@ -9,8 +9,6 @@ the FP8 types are available to quantize-onnx.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +17,10 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.onnx.common import MIN_OPSET, check_output, load_model, need_onnx
+from mixprec.files import staged_files
+from mixprec.hf import load_model, model_kind, read_config
+from mixprec.onnx.common import MIN_OPSET, check_output, need_onnx, need_ort
+from mixprec.onnx.common import load_model as load_onnx_model
 
 
 @dataclass
@@ -81,26 +82,23 @@ def export_onnx(
         raise MixprecError(f"--opset {opset}: FP8 Q/DQ needs opset {MIN_OPSET} or later")
     out = Path(output)
     check_output(out, force)
-    from mixprec.evaluation.models import load_dir
-
-    side = load_dir(model_dir, "model")
-    if getattr(side.model.config, "quantization_config", None):
+    config = read_config(model_dir)
+    if config.get("quantization_config"):
         raise MixprecError(
             f"{model_dir} is a quantized checkpoint: export the high-precision model, then run quantize-onnx"
         )
-    model = side.model.float().eval()
+    kind = model_kind(config)
+    model = load_model(model_dir, head=kind).float().eval()
     vocab = int(model.get_input_embeddings().weight.shape[0])
     max_pos = int(getattr(model.config, "max_position_embeddings", 512) or 512)
     seq_len = max(2, min(seq_len, max_pos))
     example = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    wrapper = _Wrapper(model, side.kind).eval()
-    out_name = "logits" if side.kind == "causal-lm" else "last_hidden_state"
+    wrapper = _Wrapper(model, kind).eval()
+    out_name = "logits" if kind == "causal-lm" else "last_hidden_state"
     dims = {
         "input_ids": {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("sequence", max=max_pos)}
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with staged_files(out.parent) as tmpdir:
         tmp = tmpdir / out.name
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -114,15 +112,11 @@ def export_onnx(
                 raise MixprecError(
                     f"torch.onnx.export failed for {model_dir}: {type(exc).__name__}: {exc}"
                 ) from None
-        onnx_model = load_model(tmp, "exported model")
+        onnx_model = load_onnx_model(tmp, "exported model")
         diff = _verify(tmp, wrapper, example) if verify else None
-        _stamp(tmp, onnx_model, model_dir, side.kind)
-        for f in tmpdir.iterdir():
-            os.replace(f, out.parent / f.name)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        _stamp(tmp, onnx_model, model_dir, kind)
     size = sum(f.stat().st_size for f in out.parent.glob(out.name + "*") if f.is_file())
-    return ExportReport(str(out), side.kind, opset, ["input_ids"], [out_name], diff, size)
+    return ExportReport(str(out), kind, opset, ["input_ids"], [out_name], diff, size)
 
 
 def _stamp(path: Path, model, source: str | os.PathLike, kind: str) -> None:
@@ -142,8 +136,6 @@ def _stamp(path: Path, model, source: str | os.PathLike, kind: str) -> None:
 
 
 def _verify(path: Path, wrapper: nn.Module, example: torch.Tensor) -> float:
-    from mixprec.onnx.common import need_ort
-
     ort = need_ort()
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"input_ids": example.numpy()})[0]

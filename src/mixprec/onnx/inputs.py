@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from mixprec.errors import MixprecError
+from mixprec.hf import lm_blocks, text_tokenizer
+from mixprec.texts import read_texts
 
 _INT_TYPES = {6: np.int32, 7: np.int64}  # onnx.TensorProto.INT32 / INT64
 _FLOAT_TYPES = {1: np.float32, 10: np.float16, 11: np.float64}
@@ -72,10 +74,8 @@ def load_calib_inputs(
         raise MixprecError(
             "text calibration data needs --tokenizer DIR (the graph does not say which model it came from)"
         )
-    from mixprec.evaluation.samples import lm_blocks, load_tokenizer, read_documents
-
-    docs, _ = read_documents(p)
-    tok = load_tokenizer(Path(source), model_vocab=256)
+    docs = list(read_texts(p, what="calibration data").documents)
+    tok = text_tokenizer(Path(source), model_vocab=256)
     blocks = (
         lm_blocks(docs, tok, seq_len, samples).numpy().astype(_INT_TYPES[ints[0].type.tensor_type.elem_type])
     )

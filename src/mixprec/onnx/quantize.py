@@ -4,7 +4,7 @@ Every MatMul / Gemm whose weight is a 2-D fp32 initializer gets its weight store
 fp32 scales (per output channel, or one per tensor) and a DequantizeLinear in front of it. With
 calibration inputs the activations feeding those nodes also get static per-tensor scales and a
 QuantizeLinear -> DequantizeLinear pair (amax over the calibration runs / 448); without, the graph is
-weight-only. Payloads and scales come from mixprec.scaling, so they are bit-identical to what the
+weight-only. Payloads and scales come from mixprec.quantization, so they are bit-identical to what the
 PyTorch path produces (scale = amax / 448, payload = saturating RNE cast of w / scale).
 
 onnxruntime's CPU provider runs both QuantizeLinear to float8 and DequantizeLinear from float8 (checked
@@ -14,7 +14,6 @@ so on CPU the FP8 graph is smaller, not faster.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,15 +24,20 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.onnx.check import check_fp8_onnx
 from mixprec.onnx.common import (
     MIN_OPSET,
     check_output,
     default_opset,
     load_model,
     need_onnx,
+    need_ort,
     save_model_atomic,
 )
-from mixprec.scaling import Granularity, compute_scale, quantize
+from mixprec.onnx.inputs import synthetic_inputs
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity, compute_scale
+from mixprec.select import check_pattern, selects
 
 DEFAULT_EXCLUDE = ("lm_head",)  # as in the PyTorch inference defaults: the output head stays high precision
 
@@ -70,9 +74,11 @@ def module_path(node) -> str:
 
 
 def _excluded(labels: Sequence[str], patterns: Sequence[str]) -> str | None:
+    """The first pattern (mixprec.select) selecting one of a node's labels: module path, node and
+    initializer names."""
     for pattern in patterns:
         for label in labels:
-            if label and (fnmatch.fnmatchcase(label, pattern) or pattern in label.split(".")):
+            if label and selects(label, pattern):
                 return pattern
     return None
 
@@ -140,6 +146,7 @@ def quantize_onnx(
 
     if granularity not in ("channel", "tensor"):
         raise MixprecError(f"granularity must be 'channel' or 'tensor', got {granularity!r}")
+    exclude = [check_pattern(p, "--exclude pattern") for p in exclude]
     src, dst = Path(input_path), Path(output_path)
     model = load_model(src)
     check_output(dst, force, (src,))
@@ -286,9 +293,6 @@ def quantize_onnx(
     report.weight_bytes_after = initializer_bytes(model)
     report.file_bytes_after = sum(f.stat().st_size for f in dst.parent.glob(dst.name + "*") if f.is_file())
     if check:
-        from mixprec.onnx.check import check_fp8_onnx
-        from mixprec.onnx.inputs import synthetic_inputs
-
         feeds, where = calib_inputs, "calibration inputs"
         if not feeds:
             feeds, where = (
@@ -327,7 +331,6 @@ def _set_opset(model, opset: int) -> None:
 
 def _activation_amax(model, names: list[str], feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """Max |x| of each named tensor over all calibration runs of the original graph."""
-    from mixprec.onnx.common import need_ort
     from onnx import TensorProto, helper
 
     ort = need_ort()

@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec.errors import MixprecError
+from mixprec.kernels.hardware import detect
+
 _LOW = (torch.bfloat16, torch.float16)
 
 # Functions (and Tensor methods) that form GEMM sums. einsum is listed because its bmm is hidden from
@@ -171,7 +174,6 @@ def install(model: nn.Module) -> Installed:
 
 def cpu_has_fast_bf16() -> bool:
     """AVX-512-BF16 or AMX: native bf16 GEMMs are fast on this CPU (mixprec.kernels.hardware.detect())."""
-    from mixprec.kernels.hardware import detect
 
     return detect().cpu_bf16_native
 
@@ -184,8 +186,6 @@ def should_install(model: nn.Module, mode: str = "auto") -> bool:
     1024-wide GEMMs); "fp32": on any CPU model; "native": never. GPU models: never.
     """
     if mode not in ("auto", "fp32", "native"):
-        from mixprec.errors import MixprecError
-
         raise MixprecError(f"cpu_bf16_gemm must be 'auto', 'fp32' or 'native', got {mode!r}")
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu" or mode == "native":

@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from mixprec.errors import MixprecError
+from mixprec.training.optim import AdamW
+from mixprec.training.step import advance_scaling_state
 
 try:
     from transformers import TrainerCallback
@@ -34,30 +36,31 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
 
 
 class MixprecTrainerCallback(TrainerCallback):
-    """Advances the FP8 scaling state once per optimizer step; clips mixprec AdamW's fp32 gradients."""
+    """Advances the FP8 scaling state once per optimizer step; clips mixprec AdamW's fp32 gradients.
 
-    def __init__(self, clip_fp32_grads: bool = True) -> None:
+    reduce: the amax reduction over data-parallel ranks for delayed scaling under the Trainer's own DDP
+    (mixprec.distributed.reduce_amax); see scaling_state.advance.
+    """
+
+    def __init__(self, clip_fp32_grads: bool = True, reduce: Any = None) -> None:
         self.clip_fp32_grads = clip_fp32_grads
+        self.reduce = reduce
         self.advances = 0
         self.last_grad_norm: float | None = None
         self._advanced_at: int | None = None
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        from mixprec.training.optim import AdamW
-
         opt = _unwrap_optimizer(optimizer)
         if self.clip_fp32_grads and isinstance(opt, AdamW) and args.max_grad_norm and args.max_grad_norm > 0:
             self.last_grad_norm = float(opt.clip_grad_norm_(args.max_grad_norm))
         return control
 
     def _advance(self, completed_step: int, model) -> None:
-        from mixprec.training.step import advance_scaling_state
-
         # on_optimizer_step runs before the Trainer increments global_step, on_step_end after: both name
         # the step being completed, so one optimizer step advances the scaling state exactly once.
         if model is None or self._advanced_at == completed_step:
             return
-        advance_scaling_state(model)
+        advance_scaling_state(model, reduce=self.reduce)
         self._advanced_at = completed_step
         self.advances += 1
 

@@ -29,36 +29,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.conversion import ConversionReport, ModuleEntry
+from mixprec.conversion import ConversionReport, ModuleEntry, replace_submodule
 from mixprec.errors import MixprecError
+from mixprec.recipes import from_name
 from mixprec.training import bf16_cpu
+from mixprec.training.fast_paths import true_fp32_hooks
+from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.grouped import convert_experts
 from mixprec.training.policy import Decision, Policy, decide
-
-_KIND_BY_CLASS = {
-    "Fp32Recipe": "fp32",
-    "Bf16Recipe": "bf16",
-    "Bf16AmpRecipe": "bf16-amp",
-    "Fp16AmpRecipe": "fp16-amp",
-}
 
 
 def resolve_recipe(recipe: Any) -> tuple[str, Any, str]:
     """(kind, recipe object, display name) from a recipe name or object; MixprecError when unknown."""
-    from mixprec import recipes
-
-    obj = recipes.from_name(recipe)  # names with options, or a recipe object; MixprecError otherwise
-    cls = type(obj).__name__
-    if getattr(obj, "is_fp8", False):
-        kind = "fp8"
-    elif cls in _KIND_BY_CLASS:
-        kind = _KIND_BY_CLASS[cls]
-    else:
-        raise MixprecError(
-            f"convert_for_training: {recipe!r} is not a mixprec recipe (name or recipe object)"
-        )
-    spec = getattr(obj, "spec", None)
-    name = spec() if callable(spec) else getattr(obj, "name", cls)
-    return kind, obj, name
+    obj = from_name(recipe)  # names with options, or a recipe object; MixprecError otherwise
+    return obj.kind, obj, obj.spec()
 
 
 @dataclass
@@ -150,12 +134,6 @@ def _fp32_island(module: nn.Module) -> list:
         module.register_forward_pre_hook(pre, with_kwargs=True),
         module.register_forward_hook(post, always_call=True),
     ]
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
 
 
 def _cast_params(modules: list[nn.Module], dtype: torch.dtype, done: set[int]) -> None:
@@ -278,8 +256,6 @@ def convert_for_training(
         autocast = _ContextHooks(lambda: torch.autocast(_device_type(model), dtype=amp_dtype))
         state.handles += autocast.register(model)
     if kind == "fp32":
-        from mixprec.training.fast_paths import true_fp32_hooks
-
         state.handles += true_fp32_hooks(model)
 
     notes = []
@@ -317,7 +293,6 @@ def _apply_fp8(
     entries: dict[str, ModuleEntry],
     state: ConversionState,
 ) -> None:
-    from mixprec.training.fp8_linear import Fp8Linear
 
     converted_any = False
     for d in decisions:
@@ -329,17 +304,15 @@ def _apply_fp8(
             if isinstance(module, nn.Linear):
                 new = Fp8Linear.from_linear(module, recipe, name=d.name)
             elif d.role == "experts":
-                from mixprec.training.grouped import convert_experts
-
                 new = convert_experts(module, recipe, name=d.name)
             else:
                 continue
+            if new is not module:
+                replace_submodule(model, d.name, new)  # the root itself cannot be swapped: refused here
         except (MixprecError, NotImplementedError) as exc:
             e.precision = "skipped (stays bf16)"
             e.reason = f"{recipe_name} cannot take it: {exc}"
             continue
-        if new is not module:
-            _set_module(model, d.name, new)
         e.converted_to = type(new).__name__
         state.converted[d.name] = type(new).__name__
         converted_any = True

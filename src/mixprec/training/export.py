@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
+from mixprec.files import atomic_output_dir, check_new_output
+from mixprec.training.convert import conversion_state
 
 SCHEMA_VERSION = 1
 _DTYPES = {
@@ -60,8 +60,6 @@ def plain_state_dict(
     Returns (state_dict, dropped keys). Modules replaced by conversion keep only their parameters.
     """
     masters = masters or {}
-    from mixprec.training.convert import conversion_state
-
     st = conversion_state(model)
     converted = set(st.converted) if st is not None else set()
     keep_only_params: dict[str, set[str]] = {}
@@ -114,17 +112,14 @@ def export_for_inference(
         raise MixprecError(f"export dtype must be 'bf16' or 'fp32', got {dtype!r}")
     torch_dtype = _DTYPES[dtype]
     target = Path(directory)
-    if target.exists() and not force:
-        raise MixprecError(f"{target} exists; pass force=True (CLI: --force) to replace it")
+    check_new_output(target, force, label="export directory", flag="force=True (CLI: --force)")
     if target.exists() and not target.is_dir():
         raise MixprecError(f"{target} exists and is not a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
 
     masters = master_weights(model, optimizer)
     sd, dropped = plain_state_dict(model, torch_dtype, masters)
     written_from_masters = sorted(k for k in masters if k in sd)  # before saving: save_pretrained edits sd
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_output_dir(target, force) as tmp:
         if hasattr(model, "save_pretrained") and getattr(model, "config", None) is not None:
             _save_hf(model, tmp, sd, torch_dtype)
             layout = "huggingface"
@@ -139,8 +134,6 @@ def export_for_inference(
                 seen.add(sd[k].untyped_storage().data_ptr())
             save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             layout = "safetensors"
-        from mixprec.training.convert import conversion_state
-
         st = conversion_state(model)
         record = {
             "schema_version": SCHEMA_VERSION,
@@ -152,10 +145,6 @@ def export_for_inference(
             "from_master_weights": written_from_masters,
         }
         (tmp / "mixprec_export.json").write_text(json.dumps(record, indent=2) + "\n")
-        _replace_dir(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 
@@ -167,13 +156,3 @@ def _save_hf(model: nn.Module, tmp: Path, sd: dict[str, torch.Tensor], dtype: to
         model.save_pretrained(str(tmp), state_dict=sd)
     finally:
         config.dtype = old
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        os.rename(target, old)
-        os.rename(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, target)

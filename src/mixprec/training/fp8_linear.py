@@ -26,18 +26,10 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.gemm import (
-    BACKENDS,
-    as_transposed,
-    quantize_operand,
-    quantize_transposed,
-    scaled_mm,
-    transpose_quantized,
-    will_emulate,
-    with_decoded,
-)
+from mixprec.gemm import BACKENDS, scaled_mm, transpose_quantized, will_emulate, with_decoded
+from mixprec.quantization import quantize, quantize_transposed
 from mixprec.recipes import GEMMS, Fp8Recipe, GemmLayout, OperandLayout, UnscaledFp8, from_name
-from mixprec.scaling import Granularity, QuantizedTensor
+from mixprec.scaling import Granularity, QuantizedTensor, as_transposed
 from mixprec.training import scaling_state
 from mixprec.training.weight_cache import cache_of
 
@@ -193,7 +185,7 @@ class Fp8Linear(nn.Module):
 
     def _setup(self, recipe: str | Fp8Recipe, name: str | None, backend: str) -> None:
         recipe = from_name(recipe)
-        if not getattr(recipe, "is_fp8", False):
+        if recipe.kind != "fp8":
             raise MixprecError(
                 f"Fp8Linear{f' {name}' if name else ''}: recipe {recipe.spec()!r} is not an FP8 recipe "
                 "(fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8)"
@@ -291,9 +283,10 @@ class Fp8Linear(nn.Module):
     ) -> QuantizedTensor:
         scale = self._scale(role, t2, op)
         margin = self.recipe.margin if self._delayed else 0
-        q = quantize_operand(
-            t2, op.fmt, op.granularity, scale=scale, margin=margin, power_of_two=op.power_of_two
-        )
+        q = quantize(
+            t2, op.fmt, op.granularity, scale=scale, margin=margin, power_of_two=op.power_of_two,
+            validate_scale=False,
+        )  # fmt: skip
         if observe and self._observer is not None:
             self._observer(self.layer_name, role, t2.detach(), q.scale, op.fmt)
         return q
@@ -346,7 +339,7 @@ class Fp8Linear(nn.Module):
         self, t2: torch.Tensor, op: OperandLayout, transpose: bool = True
     ) -> QuantizedTensor:
         """The transposed operand, re-quantized along its new K from the high-precision tensor
-        (transpose=False: left on t2's layout, with op.granularity.transposed(); see gemm.as_transposed)."""
+        (transpose=False: left on t2's layout, with op.granularity.transposed(); see scaling.as_transposed)."""
         scale = None
         if self._unscaled:
             scale = torch.ones(1, 1, device=t2.device)
@@ -355,10 +348,13 @@ class Fp8Linear(nn.Module):
         margin = self.recipe.margin if self._delayed else 0
         if not transpose:
             g = op.granularity.transposed()
-            return quantize_operand(t2, op.fmt, g, scale=scale, margin=margin, power_of_two=op.power_of_two)
+            return quantize(
+                t2, op.fmt, g, scale=scale, margin=margin, power_of_two=op.power_of_two, validate_scale=False
+            )
         return quantize_transposed(
-            t2, op.fmt, op.granularity, scale=scale, margin=margin, power_of_two=op.power_of_two
-        )
+            t2, op.fmt, op.granularity, scale=scale, margin=margin, power_of_two=op.power_of_two,
+            validate_scale=False,
+        )  # fmt: skip
 
     # -- delayed-scaling state ------------------------------------------------------------------------
 

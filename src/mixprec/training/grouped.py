@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
+from mixprec.recipes import from_name
+from mixprec.training import scaling_state
+from mixprec.training.fp8_linear import Fp8Linear
 
 
 def _shell(out_features: int, in_features: int, recipe: Any, name: str, like: torch.Tensor) -> nn.Module:
     """An Fp8Linear without a weight of its own: the expert's slice of the 3-D parameter is passed in."""
-    from mixprec.training import scaling_state
-    from mixprec.training.fp8_linear import Fp8Linear
 
     meta = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=like.dtype)
     shell = Fp8Linear.from_linear(meta, recipe, name=name)
@@ -109,6 +110,6 @@ class GroupedFp8Experts(nn.Module):
 
 def convert_experts(module: nn.Module, recipe: Any, name: str | None = None) -> GroupedFp8Experts:
     """The FP8 replacement of a fused-experts module; NotImplementedError/MixprecError if it cannot be."""
-    if not getattr(recipe, "is_fp8", False):
+    if from_name(recipe).kind != "fp8":
         raise MixprecError(f"{name or type(module).__name__}: grouped experts need an FP8 recipe")
     return GroupedFp8Experts(module, recipe, name)

@@ -43,6 +43,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.rounding import CHUNK, NoiseStream, stochastic_round, stochastic_round_pair_into
+from mixprec.training.convert import conversion_state
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -197,7 +198,6 @@ class AdamW(torch.optim.Optimizer):
         For a model converted with ``bf16:moments=fp32`` the moments are fp32; with ``bf16:master=false``
         there is no fp32 master copy (plain bf16 updates, as torch would do). Keyword arguments win.
         """
-        from mixprec.training.convert import conversion_state
 
         st = conversion_state(model)
         recipe = st.recipe if st is not None else None
@@ -212,7 +212,9 @@ class AdamW(torch.optim.Optimizer):
     def _is_low(self, p: torch.Tensor) -> bool:
         return _nbytes(p.dtype) < _nbytes(self.master_dtype)
 
-    def _moment_dtype(self, p: torch.Tensor) -> torch.dtype:
+    def moment_dtype_for(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype Adam's moments of `p` are stored in (an override point: mixprec.distributed.fsdp
+        gives an FSDP2 fp32 master shard of a bf16 parameter the moments a bf16 parameter gets)."""
         if self.moment_dtype is not None:
             return self.moment_dtype
         return torch.bfloat16 if self._is_low(p) else self.master_dtype
@@ -318,7 +320,7 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = 0
                     if self._is_low(p):
                         state["master"] = p.detach().to(self.master_dtype)
-                    mdt = self._moment_dtype(p)
+                    mdt = self.moment_dtype_for(p)
                     state["exp_avg"] = torch.zeros_like(p, dtype=mdt, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=mdt, memory_format=torch.preserve_format)
                 state["step"] += 1
@@ -453,14 +455,14 @@ class AdamW(torch.optim.Optimizer):
                 return
             for lane, (x, out) in enumerate(zip(xs, outs)):
                 if x is not out:
-                    out.copy_(self._round(x, out.dtype, key, lane))
+                    out.copy_(self.round_to_storage(x, out.dtype, key, lane))
             return
         for x, out in zip(xs, outs):
             if x is not out:
                 out.copy_(x)
 
     def _step_one_generic(self, group: dict, p: torch.Tensor, g: torch.Tensor, state: dict) -> None:
-        """One parameter, plain tensor ops (DTensor shards: rounding goes through self._round, which
+        """One parameter, plain tensor ops (DTensor shards: rounding goes through self.round_to_storage, which
         mixprec.distributed.fsdp adapts)."""
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
@@ -480,15 +482,17 @@ class AdamW(torch.optim.Optimizer):
         sr = self.stochastic_rounding and m_stored.dtype == v_stored.dtype == torch.bfloat16
         key = self._noise.next_key() if sr else None
         if m is not m_stored:
-            m_stored.copy_(self._round(m, m_stored.dtype, key, 0))
+            m_stored.copy_(self.round_to_storage(m, m_stored.dtype, key, 0))
         if v is not v_stored:
-            v_stored.copy_(self._round(v, v_stored.dtype, key, 1))
+            v_stored.copy_(self.round_to_storage(v, v_stored.dtype, key, 1))
         if master is not p:
             p.copy_(master)
 
-    def _round(self, x: torch.Tensor, dtype: torch.dtype, key: int | None, lane: int) -> torch.Tensor:
+    def round_to_storage(
+        self, x: torch.Tensor, dtype: torch.dtype, key: int | None, lane: int
+    ) -> torch.Tensor:
         """x in `dtype`: stochastic rounding with the noise of (key, lane) when key is given (bf16),
-        else round-to-nearest. mixprec.distributed.fsdp adapts it for DTensor shards."""
+        else round-to-nearest. An override point: mixprec.distributed.fsdp adapts it for DTensor shards."""
         if key is not None and dtype == torch.bfloat16:
             return stochastic_round(x, key, lane)
         return x.to(dtype)

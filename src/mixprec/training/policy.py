@@ -3,7 +3,8 @@
 The default policy follows the guide: normalization layers, softmax, embeddings, the output head (also
 when it is tied to the embedding), MoE routers and any Linear whose features are not multiples of 16
 stay in high precision; every other Linear takes the recipe. Rules (by module type and by
-fully-qualified-name pattern) are checked first, in order, and the first one that matches decides.
+fully-qualified-name pattern, in the vocabulary of mixprec.select) are checked first, in order, and the
+first one that matches the module or one of its ancestors decides.
 
 Roles are found by structure, not by names alone:
 - a *norm* is a torch norm class, a class whose name contains "Norm" (LlamaRMSNorm, T5LayerNorm...), or a
@@ -21,13 +22,14 @@ Roles are found by structure, not by names alone:
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from mixprec.errors import MixprecError
+from mixprec.gemm import FP8_DIM_MULTIPLE
+from mixprec.select import check_pattern, fp8_dims_reason, lineage, matches
 
 ACTIONS = ("convert", "keep", "fp32")
 """convert: take the recipe (FP8 GEMMs for an FP8 recipe); keep: stay in the recipe's high precision
@@ -53,10 +55,12 @@ _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 class Rule:
     """Overrides the default policy for modules matching ``name`` and/or ``module_type``.
 
-    name: an fnmatch pattern on the fully-qualified module name (``"model.layers.0.*"``, ``"*.q_proj"``),
-    or a regular expression prefixed with ``"re:"`` (``"re:.*layers\\.[01]\\..*"``), matched against the
-    whole name. module_type: a class (isinstance) or a class name (exact, or fnmatch pattern such as
-    ``"*Attention"``). Both given: both must match.
+    name: a module-name pattern of mixprec.select: dotted name parts the name ends with (``"lm_head"``,
+    ``"model.layers.0"``), a glob over the whole name (``"model.layers.0.*"``, ``"*.q_proj"``), or a
+    regular expression after ``"re:"`` matched from the start of the name, as compressed-tensors and
+    vLLM do (``"re:.*layers\\.[01]\\."``). module_type: a class (isinstance) or a class name (exact, or
+    fnmatch pattern such as ``"*Attention"``). Both given: both must match. A rule matching a module
+    also decides for everything below it (see `decide`).
     """
 
     action: str
@@ -68,19 +72,12 @@ class Rule:
             raise MixprecError(f"policy rule action must be one of {ACTIONS}, got {self.action!r}")
         if self.name is None and self.module_type is None:
             raise MixprecError("a policy rule needs a name pattern, a module type, or both")
-        if isinstance(self.name, str) and self.name.startswith("re:"):
-            try:
-                re.compile(self.name[3:])
-            except re.error as exc:
-                raise MixprecError(f"policy rule regex {self.name[3:]!r} is invalid: {exc}") from exc
+        if self.name is not None:
+            check_pattern(self.name, "policy rule name")
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        if self.name is not None:
-            if self.name.startswith("re:"):
-                if re.fullmatch(self.name[3:], name) is None:
-                    return False
-            elif not fnmatch.fnmatchcase(name, self.name):
-                return False
+        if self.name is not None and not matches(name, self.name):
+            return False
         if self.module_type is not None:
             if isinstance(self.module_type, str):
                 if not fnmatch.fnmatchcase(type(module).__name__, self.module_type):
@@ -108,7 +105,7 @@ class Policy:
     keep_embeddings: bool = True
     keep_head: bool = True
     keep_routers: bool = True
-    min_multiple: int = 16  # FP8 GEMM kernels need K and N multiples of 16
+    min_multiple: int = FP8_DIM_MULTIPLE  # FP8 GEMM kernels need K and N multiples of 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
@@ -258,11 +255,7 @@ def decide(model: nn.Module, policy: Policy) -> list[Decision]:
         n_params = sum(p.numel() for p in module.parameters(recurse=False))
         d = _default(name, module, policy, heads, routers)
         d.num_params = n_params
-        parts = name.split(".") if name else []
-        chain = [(name, module)] + [
-            (a, modules[a]) for a in (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1))
-        ]
-        hit = _first_rule(policy, chain)
+        hit = _first_rule(policy, [(n, modules[n]) for n in lineage(name)])
         if hit is not None:
             rule, matched = hit
             why = rule.describe() if matched == name else f"{rule.describe()} (matched {matched or '(root)'})"
@@ -271,7 +264,7 @@ def decide(model: nn.Module, policy: Policy) -> list[Decision]:
                     d.action, d.reason = "fp32", why  # an fp32 island around the whole subtree
             elif rule.action == "convert" and d.role not in ("linear", "head", "router", "experts"):
                 d.action, d.reason = "keep", f"{why}, but {d.role} has no FP8 path"
-            elif rule.action == "convert" and "not multiples" in d.reason:
+            elif rule.action == "convert" and d.extra.get("no_fp8_kernel"):
                 d.reason = f"{why} ignored: {d.reason}"  # no kernel can run it
             else:
                 d.action, d.reason = rule.action, why
@@ -284,19 +277,13 @@ def _default(name: str, module: nn.Module, policy: Policy, heads: dict, routers:
     has_children = bool(list(module.children()))
     own_params = list(module.parameters(recurse=False))
     if isinstance(module, nn.Linear):
-        dims_ok = (
-            module.in_features % policy.min_multiple == 0 and module.out_features % policy.min_multiple == 0
-        )
         if name in heads:
             return Decision(name, t, "head", "keep" if policy.keep_head else "convert", heads[name])
         if name in routers:
             return Decision(name, t, "router", "keep" if policy.keep_routers else "convert", routers[name])
-        if not dims_ok:
-            why = (
-                f"in/out features ({module.in_features}, {module.out_features}) not multiples of "
-                f"{policy.min_multiple}: no FP8 kernel takes them"
-            )
-            return Decision(name, t, "linear", "keep", why)
+        why = fp8_dims_reason(module.out_features, module.in_features, policy.min_multiple)
+        if why:
+            return Decision(name, t, "linear", "keep", why, extra={"no_fp8_kernel": True})
         return Decision(name, t, "linear", "convert", "Linear: takes the recipe")
     if name in routers:
         return Decision(name, t, "router", "keep", routers[name])
@@ -307,12 +294,12 @@ def _default(name: str, module: nn.Module, policy: Policy, heads: dict, routers:
     if isinstance(module, (nn.Softmax, nn.LogSoftmax)):
         return Decision(name, t, "softmax", "keep", "softmax")
     fused = fused_expert_params(module)
-    if fused:
-        bad = {n: s for n, s in fused.items() if s[1] % policy.min_multiple or s[2] % policy.min_multiple}
+    if fused:  # [E, out, in] per parameter
+        bad = {n: fp8_dims_reason(s[1], s[2], policy.min_multiple) for n, s in fused.items()}
+        bad = {n: why for n, why in bad.items() if why}
         if bad:
-            return Decision(
-                name, t, "experts", "keep", f"fused experts {bad} not multiples of {policy.min_multiple}"
-            )
+            why = "; ".join(f"fused experts {n} {fused[n]}: {w}" for n, w in bad.items())
+            return Decision(name, t, "experts", "keep", why, extra={"no_fp8_kernel": True})
         return Decision(name, t, "experts", "convert", f"fused 3-D experts {fused}", extra={"fused": fused})
     if has_children:
         why = "container (own parameters stay in high precision)" if own_params else "container"

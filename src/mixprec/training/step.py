@@ -10,28 +10,29 @@ The FP8 delayed-scaling state advances once per optimizer step, never per micro-
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
+from mixprec.training import scaling_state
+from mixprec.training.convert import conversion_state, resolve_recipe
+from mixprec.training.optim import AdamW
+from mixprec.training.scaling_state import AmaxReduction
 
 
-def advance_scaling_state(model: nn.Module) -> None:
+def advance_scaling_state(model: nn.Module, *, reduce: AmaxReduction | Literal[False] | None = None) -> None:
     """Advance the FP8 scaling state (amax history -> next scales) of every FP8 module, once.
 
     Call after each optimizer step (TrainingStep and MixprecTrainerCallback do). Models without FP8
-    layers: nothing happens.
+    layers: nothing happens. reduce: the amax reduction over data-parallel ranks (see
+    scaling_state.advance; None: the one mixprec.distributed's wrapping registered, if any).
     """
-    from mixprec.training.convert import conversion_state
-
     st = conversion_state(model)
     if st is not None and st.kind != "fp8":
         return  # bf16 / amp / fp32: no scaling state
-    from mixprec.training import scaling_state
-
-    scaling_state.advance(model)
+    scaling_state.advance(model, reduce=reduce)
 
 
 def make_grad_scaler(model_or_recipe: Any = None, device: str | None = None) -> torch.amp.GradScaler:
@@ -40,8 +41,6 @@ def make_grad_scaler(model_or_recipe: Any = None, device: str | None = None) -> 
     Accepts a converted model (its recipe is used), a recipe object, a recipe name, or None (defaults).
     For recipes other than fp16-amp the scaler is disabled (scale 1, no skipping).
     """
-    from mixprec.training.convert import conversion_state, resolve_recipe
-
     recipe = model_or_recipe
     if isinstance(model_or_recipe, nn.Module):
         st = conversion_state(model_or_recipe)
@@ -65,15 +64,16 @@ def make_grad_scaler(model_or_recipe: Any = None, device: str | None = None) -> 
 
 def clip_grad_norm_(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     """Clip the gradients the optimizer will use (mixprec AdamW's fp32 buffers, else the params' .grad)."""
-    from mixprec.training.optim import AdamW
-
     if isinstance(optimizer, AdamW):
         return optimizer.clip_grad_norm_(max_norm)
     return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
 
 
 class TrainingStep:
-    """Backward with loss scaling and accumulation; optimizer step, clipping and scaling advance."""
+    """Backward with loss scaling and accumulation; optimizer step, clipping and scaling advance.
+
+    reduce: the amax reduction over data-parallel ranks, passed to advance_scaling_state.
+    """
 
     def __init__(
         self,
@@ -83,6 +83,7 @@ class TrainingStep:
         grad_accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        reduce: AmaxReduction | Literal[False] | None = None,
     ) -> None:
         if grad_accumulation_steps < 1:
             raise MixprecError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
@@ -90,8 +91,7 @@ class TrainingStep:
         self.optimizer = optimizer
         self.accum = grad_accumulation_steps
         self.max_grad_norm = max_grad_norm
-        from mixprec.training.convert import conversion_state
-
+        self.reduce = reduce
         st = conversion_state(model)
         if grad_scaler is None and st is not None and st.kind == "fp16-amp":
             grad_scaler = make_grad_scaler(model)
@@ -126,6 +126,6 @@ class TrainingStep:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        advance_scaling_state(self.model)
+        advance_scaling_state(self.model, reduce=self.reduce)
         self.steps += 1
         return info

@@ -1,0 +1,304 @@
+"""THE quantize / dequantize entry: one function, several backends, bit-identical payloads and scales.
+
+    from mixprec.quantization import quantize, dequantize
+    q = quantize(x, "e4m3", Granularity.blocks(1, 128))   # QuantizedTensor: payload + scales
+    x_hat = dequantize(q)                                  # fp32, exact: payload * scale
+
+Every caller in mixprec (training, inference, ONNX, FSDP all-gather, benchmarks) quantizes here. The
+backends compute one thing in different ways, from pieces each written once: the amax -> scale rule
+(scaling.scale_from_amax), the scale grid expanded per element (scaling.expand_scale), a division by
+the scale (never a multiplication by its reciprocal), and a saturating round-to-nearest-even cast
+(torch's in-range cast for FP8, formats.round_to_grid for the formats torch lacks).
+
+    backend      runs on         how
+    "eager"      any device      the reference torch code: one fp32 working copy, reduced, divided
+                                 and cast in place; validates given scales; refuses NaN for FP6/FP4
+    "traceable"  any device      the same arithmetic without data-dependent Python (kernels.traceable)
+    "compiled"   CPU             "traceable" compiled by Inductor (kernels.compiled): one fused pass
+                                 for the amax, one for the payload; each configuration and shape
+                                 compiles once, for seconds
+    "triton"     CUDA + triton   fused Triton kernels for E4M3/E5M2 (kernels.triton_quant)
+    "tiled"      CPU             tiles in reused buffers (kernels.tiled): bounded memory for big
+                                 weights, and the statistics quantize_with_stats reports
+
+backend="auto" picks the way gemm.scaled_mm picks its GEMM, by capability and size: "traceable"
+inside torch.compile; "triton" on CUDA where triton is installed and its kernels take the case; on
+the CPU "tiled" for memory from kernels.tiled.TILED_MIN_ELEMENTS elements (an fp32 working copy of
+1 GiB; tiles are not faster than eager there, see kernels.tiled) and always for quantize_with_stats;
+else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
+MixprecError saying why (`backend_available` asks first); under torch.compile the FP6/FP4 NaN check
+is the one graph break left (it reads a value).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import MixprecError
+from mixprec.formats import Format, check_float_tensor, encode_inplace, get_format
+from mixprec.kernels import compiled, tiled
+from mixprec.kernels.native import triton_usable, triton_version
+from mixprec.kernels.traceable import quantize_traceable
+from mixprec.scaling import (
+    Granularity,
+    QuantizedTensor,
+    apply_blockwise,
+    as_2d,
+    as_transposed,
+    block_amax,
+    check_scale,
+    scale_from_amax,
+)
+
+BACKENDS = ("auto", "eager", "traceable", "compiled", "triton", "tiled")
+
+
+@dataclass(frozen=True)
+class QuantizationStats:
+    """What the inference reports record about a quantized tensor."""
+
+    amax: float  # max |x| (over the finite elements where the scales were computed)
+    relative_error: float  # ||x - dequantize(quantize(x))||_F / ||x||_F; NaN when x holds NaN or inf
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Format,
+    granularity: Granularity | None = None,
+    *,
+    scale: torch.Tensor | float | None = None,
+    margin: int = 0,
+    power_of_two: bool = False,
+    backend: str = "auto",
+    validate_scale: bool = True,
+) -> QuantizedTensor:
+    """Quantize x (saturating) to `fmt` with one scale per block of `granularity` (default per tensor).
+
+    scale=None computes scales from x's amax (divided by fmt.max * 2^margin, rounded up to a power of
+    two if power_of_two; E8M0 granularities follow OCP MX). A given scale (delayed or static scaling)
+    is used as is and must fit the scale grid; validate_scale=False skips its finite/positive check,
+    for hot-path callers that computed it (the check syncs with a GPU; under torch.compile it is never
+    made). The input is read, never modified; it is converted to fp32 first (exact for bf16/fp16).
+    backend: see the module docstring.
+    """
+    q, _ = _quantize(x, fmt, granularity, scale, margin, power_of_two, backend, validate_scale, None, False)
+    return q
+
+
+def quantize_with_stats(
+    x: torch.Tensor,
+    fmt: str | Format,
+    granularity: Granularity | None = None,
+    *,
+    scale: torch.Tensor | float | None = None,
+    margin: int = 0,
+    power_of_two: bool = False,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> tuple[QuantizedTensor, QuantizationStats]:
+    """quantize(x, ...) and its QuantizationStats (what inference reports for each weight).
+
+    On the CPU ("auto") the tiled backend computes the statistics from the same pass over the tiles,
+    in bounded memory; other backends compute them afterwards. out: a contiguous payload tensor of
+    x's 2-D shape to write the payload into (a buffer the caller reuses).
+    """
+    return _quantize(x, fmt, granularity, scale, margin, power_of_two, backend, True, out, True)
+
+
+def quantize_transposed(
+    x2: torch.Tensor,
+    fmt: str | Format,
+    granularity: Granularity,
+    *,
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_two: bool = False,
+    backend: str = "auto",
+    validate_scale: bool = True,
+) -> QuantizedTensor:
+    """The operand x2ᵀ quantized with `granularity` on the transposed [cols, rows] view.
+
+    Computed on x2's own layout with the transposed blocking (no copy of the wide input), then the
+    scales are transposed (scaling.as_transposed): bit-identical to quantize(x2.t(), ...). The
+    payload is a transposed view (the emulated GEMM reads it as is; a native kernel makes it
+    contiguous).
+    """
+    q = quantize(
+        x2, fmt, granularity.transposed(), scale=scale, margin=margin, power_of_two=power_of_two,
+        backend=backend, validate_scale=validate_scale,
+    )  # fmt: skip
+    return as_transposed(q, granularity)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """payload * scale, exactly (in fp32), in the original shape, returned in `dtype`."""
+    return q.dequantize(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor, fmt: str | Format, granularity: Granularity | None = None, **kw
+) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype: what a quantized operand contributes to a GEMM."""
+    return quantize(x, fmt, granularity, **kw).dequantize(x.dtype)
+
+
+def backend_available(
+    backend: str, x: torch.Tensor, fmt: str | Format, granularity: Granularity | None = None
+) -> tuple[bool, str]:
+    """(available, why not) for quantizing x to fmt with this backend here."""
+    if backend not in BACKENDS:
+        raise MixprecError(f"unknown quantize backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    why = _unavailable(backend, as_2d(x), get_format(fmt), granularity or Granularity.tensor())
+    return why is None, why or ""
+
+
+def choose_backend(x: torch.Tensor, fmt: str | Format, granularity: Granularity | None = None) -> str:
+    """The backend backend="auto" runs for this tensor here."""
+    return _auto(as_2d(x), get_format(fmt), granularity or Granularity.tensor(), stats=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _quantize(x, fmt, granularity, scale, margin, power_of_two, backend, validate_scale, out, stats):
+    if backend not in BACKENDS:
+        raise MixprecError(f"unknown quantize backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    g = granularity or Granularity.tensor()
+    fmt = get_format(fmt)
+    check_float_tensor(x, "x")
+    if fmt.bits > 8 or fmt.special == "e8m0":
+        raise MixprecError(
+            f"{fmt.name} is not an element format to quantize to (use e4m3, e5m2, e3m2, e2m3, e2m1)"
+        )
+    if x.numel() == 0:
+        raise MixprecError(f"cannot quantize an empty tensor (shape {tuple(x.shape)})")
+    x2 = as_2d(x)
+    if backend == "auto":
+        backend = _auto(x2, fmt, g, stats)
+    else:
+        why = _unavailable(backend, x2, fmt, g)
+        if why is not None:
+            raise MixprecError(f"quantize backend {backend!r} unavailable: {why}")
+    if scale is not None:
+        scale = _given_scale(scale, x2, g, validate_scale)
+    if out is not None and (
+        out.dtype != (fmt.torch_dtype or torch.uint8) or out.shape != x2.shape or not out.is_contiguous()
+    ):
+        raise MixprecError(
+            f"out must be a contiguous {fmt.torch_dtype or torch.uint8} tensor of shape {tuple(x2.shape)}"
+        )
+    has_nan = tile_stats = None
+    if backend == "eager":
+        data, scale = _eager(x2, fmt, g, scale, margin, power_of_two)
+    elif backend == "traceable":
+        data, scale, has_nan = quantize_traceable(
+            x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two
+        )
+    elif backend == "compiled":
+        data, scale, has_nan = compiled.quantize_compiled(
+            x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two
+        )
+    elif backend == "triton":
+        from mixprec.kernels.triton_quant import fused_quantize  # imports triton: only where installed
+
+        data, scale = fused_quantize(x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two)
+    else:
+        data, scale, tile_stats = tiled.quantize_tiled(
+            x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, out=out, stats=stats
+        )
+    if has_nan is not None and bool(has_nan):  # formats without a NaN code (a graph break if traced)
+        raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    if out is not None and data is not out:
+        data = out.copy_(data)
+    q = QuantizedTensor(data, scale, fmt, g, x.shape)
+    if not stats:
+        return q, None
+    if tile_stats is not None:
+        return q, QuantizationStats(*tile_stats)
+    return q, _stats_of(x2, q)
+
+
+def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
+    if torch.compiler.is_compiling():
+        return "traceable"
+    if x2.is_cuda and triton_usable(x2.device) and _triton_unavailable(x2, fmt, g) is None:
+        return "triton"
+    if x2.device.type == "cpu" and (stats or x2.numel() >= tiled.TILED_MIN_ELEMENTS):
+        return "tiled"
+    return "eager"
+
+
+def _unavailable(backend: str, x2: torch.Tensor, fmt: Format, g: Granularity) -> str | None:
+    if backend == "compiled":
+        return compiled.unsupported_reason(x2, g)
+    if backend == "tiled":
+        return tiled.unsupported_reason(x2)
+    if backend == "triton":
+        return _triton_unavailable(x2, fmt, g)
+    return None  # eager and traceable run anywhere; auto picks one that does
+
+
+def _triton_unavailable(x2: torch.Tensor, fmt: Format, g: Granularity) -> str | None:
+    if triton_version() is None:
+        return "triton is not installed"
+    if not x2.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the Triton kernels run on CUDA tensors (on CPU tensors only in TRITON_INTERPRET=1 mode)"
+    from mixprec.kernels.triton_quant import unsupported_reason  # imports triton: only where installed
+
+    return unsupported_reason(x2, fmt, g)
+
+
+def _given_scale(scale, x2: torch.Tensor, g: Granularity, validate: bool) -> torch.Tensor:
+    """A given scale as fp32 on the grid, on x2's device (validated: scaling.check_scale)."""
+    grid = g.scale_shape(*x2.shape)
+    if validate and not torch.compiler.is_compiling():  # the check reads the values: a graph break
+        scale = check_scale(scale, grid, g)
+    elif isinstance(scale, torch.Tensor):
+        scale = scale.float().reshape(grid)
+    else:
+        scale = torch.full(grid, float(scale))
+    return scale.to(x2.device)
+
+
+def _eager(x2, fmt, g, scale, margin, power_of_two) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference backend. bf16 / fp16 / fp64 inputs get one fp32 working copy (exact for bf16 and
+    fp16; fp64 rounds once), reduced, divided and cast in place; fp32 inputs are divided into a new
+    tensor, cast in place. On the CPU, torch's mixed-dtype kernel (bf16 tensor / fp32 scale -> fp32)
+    is scalar code, ~20x slower than the conversion plus an fp32 division, and its bf16 min/max over
+    blocks of 32 or 128 is ~6x slower than over fp32 (both measured at [2048, 1024]); the amax of the
+    exact copy is the same."""
+    own = x2.dtype != torch.float32
+    work = x2.float() if own else x2
+    if scale is None:
+        scale = scale_from_amax(block_amax(work, g), fmt, g, margin, power_of_two)
+    scaled = apply_blockwise(work, scale, g, torch.div, out=work if own else None)
+    return encode_inplace(scaled, fmt), scale
+
+
+def _stats_of(x2: torch.Tensor, q: QuantizedTensor) -> QuantizationStats:
+    """Statistics computed after the fact (backends other than "tiled"), whole-tensor."""
+    x = x2.double()
+    amax = float(x.abs().max())
+    ref = float(torch.linalg.vector_norm(x))
+    err = float(torch.linalg.vector_norm(q.dequantize().reshape(x.shape).double() - x))
+    if not (math.isfinite(ref) and math.isfinite(err)):
+        return QuantizationStats(amax, math.nan)
+    return QuantizationStats(amax, err / ref if ref > 0 else 0.0)
+
+
+__all__ = [
+    "BACKENDS",
+    "QuantizationStats",
+    "backend_available",
+    "choose_backend",
+    "dequantize",
+    "fake_quantize",
+    "quantize",
+    "quantize_transposed",
+    "quantize_with_stats",
+]
