@@ -20,7 +20,7 @@ SRC = ROOT / "src" / "mixprec"
 # Lowest layer first. A "package" is the first name under mixprec (a module file or a sub-package).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("errors",)),
-    ("base", ("files", "progress")),
+    ("base", ("files", "progress", "verdicts")),
     ("formats", ("formats", "rounding")),
     ("scaling", ("scaling",)),
     ("kernels", ("kernels",)),
