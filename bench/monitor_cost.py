@@ -1,10 +1,12 @@
 """Cost of the PrecisionMonitor per training step, against the same loop without it (same run).
 
-    python bench/monitor_cost.py [--recipe fp8-delayed] [--steps 12] [--hidden 128] [--layers 2]
+    python bench/monitor_cost.py [--recipe fp8-delayed] [--steps 12] [--runs 5] [--hidden 128] [--layers 2]
 
 Prints a markdown table: median wall and CPU time per step of the built-in Llama under an FP8 recipe
 with no monitor, with the monitor on an ordinary step (NaN/inf guard only), on a statistics step,
-and with activation watching; and the ratio to the step without monitor.
+and with activation watching; and the ratio to the step without monitor. `--runs N` repeats the whole
+interleaved measurement N times (fresh model each time) and reports the median over the runs of each
+run's median, so one disturbed run on a shared machine does not decide the figure.
 """
 
 from __future__ import annotations
@@ -49,15 +51,8 @@ def one_step(
     return time.perf_counter() - w0, time.process_time() - c0, inside
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", default="fp8-delayed")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=64)
-    args = ap.parse_args()
+def measure(args) -> list[tuple[str, float, float, float]]:
+    """One interleaved run: (configuration, median wall, median CPU, median monitor's own time) per step."""
     cfg = ReferenceModelConfig(
         hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers
     )
@@ -67,8 +62,6 @@ def main() -> None:
     batch = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 
     plain = PrecisionMonitor(model, every=1000, optimizer=optimizer)
-    watching = PrecisionMonitor(model, every=1000, optimizer=optimizer, watch_activations=True)
-    watching.close()  # hooks are installed per measurement below
     configs = {
         "no monitor": (None, False),
         "monitor, ordinary step (NaN/inf guard)": (plain, False),
@@ -88,7 +81,7 @@ def main() -> None:
             if round_ >= 2:
                 times[name].append(t)
     plain.close()
-    rows = [
+    return [
         (
             k,
             statistics.median(w for w, _, _ in v),
@@ -97,13 +90,31 @@ def main() -> None:
         )
         for k, v in times.items()
     ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="fp8-delayed")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--runs", type=int, default=5, help="interleaved runs; medians over them (default 5)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args()
+    runs = [measure(args) for _ in range(args.runs)]
+    rows = [
+        (name, *(statistics.median(run[i][j] for run in runs) for j in (1, 2, 3)))
+        for i, name in enumerate(r[0] for r in runs[0])
+    ]
     base_wall = rows[0][1]
     every = 100
     # the guard's own time every step, plus the statistics step's extra wall time (its statistics are
     # computed inside the layers' forward/backward, so its own-calls time misses them) once per `every`
     amortized = rows[1][3] + (rows[2][1] - rows[1][1]) / every
     print(f"Monitor cost, {args.recipe}, built-in Llama hidden {args.hidden} x {args.layers} layers, "
-          f"batch {args.batch}x{args.seq}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")  # fmt: skip
+          f"batch {args.batch}x{args.seq}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"median of {args.runs} interleaved runs of {args.steps} steps\n")  # fmt: skip
     print(
         "The monitor's own time is measured around its calls (begin_step, check_step, end_step): the NaN/inf "
         "guard's cost. Statistics and activation watching run inside the layers' forward/backward: their cost "
@@ -119,6 +130,8 @@ def main() -> None:
     print(
         f"| amortized at every={every} (guard + statistics) |  |  |  | {amortized * 1e3:.2f} | {amortized / base_wall * 100:.1f} % |"
     )
+    print("\nper run, guard's own ms / step without monitor ms: " + ", ".join(
+        f"{run[1][3] * 1e3:.2f}/{run[0][1] * 1e3:.0f}" for run in runs))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("wings", ("training", "inference", "monitor")),
     ("services", ("distributed",)),
     ("support", ("data", "models", "pages")),
+    ("analysis", ("sensitivity",)),
     ("workflows", ("comparison", "evaluation", "onnx")),
     ("demo", ("demo",)),
     ("commands", ("commands",)),

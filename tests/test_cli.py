@@ -127,16 +127,19 @@ def test_evaluate_lm_needs_no_bleu(tmp_path, monkeypatch):
               "--task", "lm"])  # fmt: skip
 
 
-@pytest.mark.parametrize("rank, prints", [("0", True), ("1", False)])
-def test_a_command_that_is_not_data_parallel_refuses_torchrun(tmp_path, monkeypatch, capsys, rank, prints):
-    """Two torchrun processes of `mixprec quantize` would write the same --output: exit 2 on every rank
-    before any work, the reason printed once (by rank 0)."""
+@pytest.mark.parametrize("rank, prints, code", [("0", True, 2), ("1", False, 0)])
+def test_a_command_that_is_not_data_parallel_refuses_torchrun(
+    tmp_path, monkeypatch, capsys, rank, prints, code
+):
+    """Two torchrun processes of `mixprec quantize` would write the same --output: no rank does any work;
+    rank 0 prints the reason once and exits 2; the others leave quietly (exit 0), so that torchrun does
+    not kill rank 0 before it has printed, and the job fails with rank 0's code."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", rank)
     monkeypatch.setattr(quantize_cmd, "run", _no_work)
     out = tmp_path / "fp8"
-    assert main(["quantize", "--model", str(tmp_path), "--output", str(out)]) == 2
+    assert main(["quantize", "--model", str(tmp_path), "--output", str(out)]) == code
     err = capsys.readouterr().err
     if prints:
         assert "mixprec quantize: error: `mixprec quantize` does not run data-parallel" in err

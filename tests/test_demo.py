@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mixprec.demo import DEMO_RECIPES, demo_config, run_demo
+from mixprec.demo import DEMO_RECIPES, NEGATIVE_CONTROLS, demo_config, run_demo
 
 TINY_MODEL = {
     "hidden_size": 64,
@@ -17,7 +17,9 @@ TINY_MODEL = {
 
 def test_demo_defaults_are_the_documented_comparison():
     cfg = demo_config()
-    assert cfg.recipes == DEMO_RECIPES == ("fp32", "bf16", "fp8-current", "fp8-blockwise")
+    assert cfg.recipes == DEMO_RECIPES == ("bf16", "fp8-delayed", "fp8-current", "fp8-unscaled")
+    assert NEGATIVE_CONTROLS == ("fp8-unscaled",)
+    assert cfg.baseline == "bf16" and cfg.null_runs == 3  # every FP8 recipe against bf16 and its band
     assert cfg.data is None and cfg.model_dir is None  # the stdlib corpus and the built-in model
     cfg.validate()
 
@@ -34,10 +36,11 @@ def test_demo_runs_both_halves_and_reports(tmp_path):
         max_chars=40_000,
         val_blocks=4,
         model_config=TINY_MODEL,
-        noise=False,
+        null_runs=0,
     )
     doc = json.loads((out / "demo.json").read_text())
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
+    assert set(doc["negative_controls"]) == {"fp8-unscaled"} and isinstance(doc["conclusive"], bool)
     assert set(doc["seconds"]) == {"training", "inference", "total"}
     html = (out / "report.html").read_text()
     assert "mixprec demo" in html and "Verdict" in html and "FP8 inference" in html

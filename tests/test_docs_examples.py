@@ -24,10 +24,29 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # the workflow pages the README promises; each must keep runnable examples
-WORKFLOW_PAGES = {"train.md", "compare.md", "quantize.md", "evaluate.md", "onnx.md", "distributed.md"}
+WORKFLOW_PAGES = {
+    "train.md",
+    "compare.md",
+    "quantize.md",
+    "evaluate.md",
+    "onnx.md",
+    "distributed.md",
+    "serving.md",
+    "checkpoints.md",
+    "profile.md",
+}
 # pages whose examples take more than a few seconds (training steps, calibration, exports, torchrun);
 # `pytest -q` runs them too, `-m "not slow"` leaves them out
-SLOW_PAGES = {"compare.md", "quantize.md", "evaluate.md", "onnx.md", "distributed.md"}
+SLOW_PAGES = {
+    "compare.md",
+    "profile.md",
+    "quantize.md",
+    "evaluate.md",
+    "onnx.md",
+    "distributed.md",
+    "serving.md",
+    "checkpoints.md",
+}
 RUN_LANGS = ("python", "bash")
 BASH_TIMEOUT_S = 600
 

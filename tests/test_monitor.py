@@ -171,6 +171,26 @@ def test_nan_in_loss_without_activation_watch_and_in_a_gradient():
     assert (bad.step, bad.layer, bad.tensor) == (2, "blocks.0", "weight.grad")
 
 
+def test_a_given_gradient_norm_replaces_the_guards_own_pass():
+    """check_step(grad_norm=...): a finite total norm says every gradient is finite, so the guard reads no
+    gradient; a non-finite one runs the per-tensor scan, which names the bad gradient."""
+    torch.manual_seed(0)
+    model = Net()
+    monitor = PrecisionMonitor(model, every=100)
+    monitor.begin_step(0)
+    model(torch.randn(4, 32)).backward()
+    reads = []
+    monitor._gradients = lambda: reads.append(1) or []  # the guard must not read gradients given a norm
+    assert monitor.check_step(torch.tensor(1.0), grad_norm=torch.tensor(3.0)).ok and reads == []
+    model.blocks[1].weight.grad[0, 0] = float("nan")
+    health = monitor.check_step(torch.tensor(1.0), grad_norm=torch.tensor(float("nan")))
+    assert not health.ok and (health.first_bad.layer, health.first_bad.tensor) == ("blocks.1", "weight.grad")
+    # a norm whose square overflowed while every gradient is finite is not a bad step
+    model.blocks[1].weight.grad[0, 0] = 0.0
+    assert monitor.check_step(torch.tensor(1.0), grad_norm=float("inf")).ok
+    monitor.close()
+
+
 def test_observers_installed_only_on_statistics_steps():
     model = Net()
     monitor = PrecisionMonitor(model, every=3)

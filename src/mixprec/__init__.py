@@ -28,6 +28,7 @@ _EXPORTS = {
     "load_quantized": "mixprec.inference:load_quantized",
     "quantize_model_": "mixprec.inference:quantize_model_",
     "quantize_checkpoint": "mixprec.inference:quantize_checkpoint",
+    "save_quantized": "mixprec.inference:save_quantized",
     "evaluate": "mixprec.evaluation.runner:evaluate",
     "Policy": "mixprec.training:Policy",
     "Rule": "mixprec.training:Rule",

@@ -11,18 +11,33 @@ import sys
 from mixprec import __version__
 from mixprec.commands import (
     compare,
+    convert,
     demo,
     doctor,
     evaluate,
     export_onnx,
     formats,
+    inspect,
+    profile,
     quantize,
     quantize_onnx,
     torchrun,
 )
 from mixprec.errors import MixprecError
 
-COMMANDS = (compare, demo, formats, doctor, quantize, evaluate, export_onnx, quantize_onnx)
+COMMANDS = (
+    compare,
+    demo,
+    profile,
+    formats,
+    doctor,
+    quantize,
+    inspect,
+    convert,
+    evaluate,
+    export_onnx,
+    quantize_onnx,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         refusal = torchrun.refuse_reason(args.command, args._torchrun)
+        if refusal and torchrun.launched_rank() != 0:
+            # Every rank meets this refusal (it depends on WORLD_SIZE only) and rank 0 reports it. A
+            # rank that exited non-zero first would make torchrun kill rank 0 before it could print,
+            # so the other ranks leave quietly and the job fails with rank 0's exit code 2.
+            return 0
         if refusal:
             raise MixprecError(refusal)
         return int(args._run(args) or 0)

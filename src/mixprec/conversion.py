@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: inference reports carry `calibration`
 
 
 @dataclass
@@ -49,6 +49,7 @@ class ConversionReport:
     weight_bytes_after: int = 0
     warnings: list[str] = field(default_factory=list)
     output: str | None = None
+    calibration: dict[str, Any] | None = None  # what calibration ran and why it stopped (static schemes)
 
     # ---- building (inference) --------------------------------------------------------------------
     def add_fp8(
@@ -131,6 +132,7 @@ class ConversionReport:
                 max_relative_weight_error=self.max_relative_weight_error,
                 warnings=list(self.warnings),
                 output=self.output,
+                calibration=self.calibration,
             )
         return d
 

@@ -39,6 +39,23 @@ def transformers_module(needed_for: str):
     return transformers
 
 
+@contextlib.contextmanager
+def transformers_progress(enabled: bool) -> Iterator[None]:
+    """transformers' own progress bars (loading weights, checkpoint shards) on or off inside the block,
+    restored afterwards; `--no-progress` means every bar, not only mixprec's."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # no transformers: no bars of its own
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 # ---------------------------------------------------------------------------------------------------
 # config.json
 
@@ -173,13 +190,18 @@ def load_model(
 
 
 def vocab_size(model: nn.Module) -> int | None:
-    """Rows of the input embedding, else the config's vocab_size, else None."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    """Rows of the input embedding, else the config's vocab_size (its text tower's), else None."""
+    try:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:  # two-tower models (CLIPModel) have no single input embedding
+        emb = None
     w = getattr(emb, "weight", None)
     if isinstance(w, torch.Tensor):
         return int(w.shape[0])
     cfg = getattr(model, "config", None)
-    return (cfg.to_dict() if hasattr(cfg, "to_dict") else {}).get("vocab_size")
+    config = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    text = config.get("text_config")
+    return config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,5 +320,6 @@ __all__ = [
     "read_config",
     "text_tokenizer",
     "transformers_module",
+    "transformers_progress",
     "vocab_size",
 ]

@@ -304,16 +304,29 @@ class PrecisionMonitor:
             if name and not any(True for _ in module.children()):  # leaves, in forward order of registration
                 self._hooks.append(module.register_forward_hook(hook_for(name)))
 
-    def check_step(self, loss: torch.Tensor | float | None = None) -> StepHealth:
+    def check_step(
+        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
+    ) -> StepHealth:
         """After backward: is this step's loss, every gradient (and activation, when watched) finite?
         On failure, names the first bad tensor: an activation in forward order, else the loss, else the
-        first gradient in backward order (parameters in reverse registration order)."""
+        first gradient in backward order (parameters in reverse registration order).
+
+        grad_norm: the total norm of this step's gradients when the loop has computed it already
+        (before clipping changed them): a finite total norm means every gradient is finite, so the guard
+        then costs no pass over the gradients at all."""
         bad = self._first_activation
-        if bad is None and loss is not None:
-            lt = torch.as_tensor(loss).detach()
-            if not bool(torch.isfinite(lt).all()):
-                bad = BadTensor(self.step, "", "loss", _bad_kind(lt))
-        if bad is None and self.check_gradients:
+        loss_t = None if loss is None else torch.as_tensor(loss).detach()
+        if self.check_gradients and grad_norm is None:
+            grad_norm = self._total_gradient_norm()
+        # one host sync for the loss and the gradients together
+        checks = [] if loss_t is None else [loss_t.reshape(-1).float()]
+        if grad_norm is not None:
+            device = checks[0].device if checks else None
+            checks.append(torch.as_tensor(grad_norm, dtype=torch.float32, device=device).reshape(-1))
+        all_finite = bool(torch.isfinite(torch.cat(checks)).all()) if checks else True
+        if bad is None and loss_t is not None and not all_finite and not bool(torch.isfinite(loss_t).all()):
+            bad = BadTensor(self.step, "", "loss", _bad_kind(loss_t))
+        if bad is None and self.check_gradients and not all_finite:
             bad = self._first_bad_gradient()
         if bad is not None:
             self.nan_events.append(bad)
@@ -334,14 +347,23 @@ class PrecisionMonitor:
         getter = getattr(self.optimizer, "grad", None)
         return getter(p) if callable(getter) else p.grad
 
+    def _gradients(self) -> list[torch.Tensor]:
+        getter = getattr(self.optimizer, "grad", None)
+        if callable(getter):
+            return [g for _, p in self._params if (g := getter(p)) is not None]
+        return [p.grad for _, p in self._params if p.grad is not None]
+
+    def _total_gradient_norm(self) -> torch.Tensor | None:
+        """One fused norm over every gradient (fp32 buffers or .grad), summed into one number: finite
+        exactly when every gradient is (a square that overflows fp32, |g| > 1.8e19, counts as bad)."""
+        grads = self._gradients()
+        if not grads:
+            return None
+        return torch.stack(torch._foreach_norm(grads)).float().sum()
+
     def _first_bad_gradient(self) -> BadTensor | None:
+        """The per-tensor scan, run only once the total says something is not finite."""
         named = [(n, g) for n, p in self._params if (g := self._grad(p)) is not None]
-        if not named:
-            return None
-        # one fused norm over all gradients; only a non-finite total triggers the per-tensor scan
-        norms = torch._foreach_norm([g for _, g in named])
-        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
-            return None
         for name, g in reversed(named):
             if not bool(torch.isfinite(g).all()):
                 layer, _, leaf = name.rpartition(".")

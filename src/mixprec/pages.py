@@ -107,6 +107,9 @@ def heatmap_grid_png(
     ncols: int = 3,
     vmin: float | None = None,
     vmax: float | None = None,
+    xlabel: str = "step",
+    xtick_rotation: float = 0,
+    cmap: str = "viridis",
 ) -> bytes:
     """Heat maps (rows = ylabels, columns = xlabels) side by side with a shared colour scale.
     Missing cells are NaN and drawn blank."""
@@ -132,14 +135,14 @@ def heatmap_grid_png(
             ax.axis("off")
             continue
         name, _ = panels[k]
-        image = ax.imshow(arrays[k], aspect="auto", interpolation="nearest", vmin=lo, vmax=hi, cmap="viridis")
+        image = ax.imshow(arrays[k], aspect="auto", interpolation="nearest", vmin=lo, vmax=hi, cmap=cmap)
         ax.set_title(name, fontsize=8)
         ax.set_yticks(range(len(ylabels)))
         ax.set_yticklabels(ylabels if k % ncols == 0 else [""] * len(ylabels), fontsize=6)
         step = max(1, len(xlabels) // 6)
         ax.set_xticks(range(0, len(xlabels), step))
-        ax.set_xticklabels([str(x) for x in list(xlabels)[::step]], fontsize=6)
-        ax.set_xlabel("step", fontsize=7)
+        ax.set_xticklabels([str(x) for x in list(xlabels)[::step]], fontsize=6, rotation=xtick_rotation)
+        ax.set_xlabel(xlabel, fontsize=7)
     fig.suptitle(title, fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=list(axes.flat), shrink=0.8, label=cbar_label)

@@ -148,12 +148,17 @@ class DelayedScaling(Fp8Recipe):
     amax_history_len: steps of history kept; amax_compute_algo: "max" over the history or
     "most_recent" (the last finished step); margin: scale = amax / (fmt.max * 2**margin).
     Before the first optimizer step there is no history: the layer scales from the current amax.
+    current_while_growing: a role whose amax just set a record (above every step in its history) scales
+    from its own amax on the next step, until the history bounds it again — early training, where the
+    amax grows step after step and the history lags (see mixprec.training.scaling_state); False is
+    TransformerEngine's delayed scaling (`fp8-delayed:growing=false`).
     """
 
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
     fp8_format: str = "hybrid"
+    current_while_growing: bool = True
     name: ClassVar[str] = "fp8-delayed"
     delayed: ClassVar[bool] = True
 
@@ -357,6 +362,8 @@ _KEYWORDS: dict[str, dict[str, str]] = {
         "margin": "margin",
         "format": "fp8_format",
         "fp8_format": "fp8_format",
+        "growing": "current_while_growing",
+        "current_while_growing": "current_while_growing",
     },
     "fp8-current": {"format": "fp8_format", "fp8_format": "fp8_format"},
     "fp8-blockwise": {"pow2": "power_of_two_scales", "power_of_two_scales": "power_of_two_scales"},
@@ -426,7 +433,8 @@ def from_name(spec: str | Recipe) -> Recipe:
 
     ==============  ==========================================================================
     fp8-delayed     ``e4m3`` | ``hybrid`` (format), ``max`` | ``most_recent`` (algo),
-                    ``history=N``, ``algo=max|most_recent``, ``margin=M``, ``format=hybrid|e4m3``
+                    ``history=N``, ``algo=max|most_recent``, ``margin=M``, ``format=hybrid|e4m3``,
+                    ``growing=true|false`` (current scaling while the amax sets records)
     fp8-current     ``e4m3`` | ``hybrid``, ``format=...``
     fp8-rowwise     (no options)
     fp8-blockwise   ``pow2`` (power-of-two scales), ``pow2=true|false``

@@ -140,6 +140,21 @@ def fused_groups(names: Iterable[str]) -> dict[str, list[str]]:
     return groups
 
 
+def fused_shards(names: Iterable[str]) -> dict[str, list[str]]:
+    """{fused GEMM (`fused_shard_group`): its shards among `names`, in the order the engine stacks them
+    along the output dim (the order of FUSED_SHARDS: q, k, v; gate, up; w1, w3)}. Names that are no
+    shard are left out."""
+    position = {shard: i for _, shards in FUSED_SHARDS for i, shard in enumerate(shards)}
+    out: dict[str, list[str]] = {}
+    for name in names:
+        fused = fused_shard_group(name)
+        if fused is not None:
+            out.setdefault(fused, []).append(name)
+    for members in out.values():
+        members.sort(key=lambda n: position[n.rpartition(".")[2]])
+    return out
+
+
 __all__ = [
     "FUSED_SHARDS",
     "REGEX_PREFIX",
@@ -148,6 +163,7 @@ __all__ = [
     "fused_group_of",
     "fused_groups",
     "fused_shard_group",
+    "fused_shards",
     "lineage",
     "matches",
     "selects",

@@ -4,7 +4,8 @@ One reader for every place mixprec takes text (the corpus of `mixprec compare`, 
 of `mixprec quantize`, the samples of `mixprec evaluate` and of ONNX calibration):
 
 - a text file (a suffix in `suffixes`, .txt by default) is split at blank lines into paragraphs,
-  each stripped of the whitespace around it;
+  each stripped of the whitespace around it (`unit="paragraph"`, the default: documents), or into its
+  non-empty lines (`unit="line"`: one sample per line, as a file of sentences or prompts is written);
 - a .jsonl file gives one text per line, from its "text" field (blank lines skipped);
 - a folder gives its files with a suffix in `suffixes`, in sorted path order, each file one text
   (`split_folder_files=False`: a corpus keeps its documents whole) or split as a single file would be.
@@ -22,6 +23,7 @@ from pathlib import Path
 from mixprec.errors import MixprecError
 
 DOCUMENT_SUFFIXES = (".txt", ".md")
+UNITS = ("paragraph", "line")
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,15 @@ def read_texts(
     suffixes: tuple[str, ...] = DOCUMENT_SUFFIXES,
     split_folder_files: bool = False,
     what: str = "data path",
+    unit: str = "paragraph",
 ) -> Corpus:
-    """The texts of `path` (see the module docstring); `what` names the path in error messages."""
+    """The texts of `path` (see the module docstring); `what` names the path in error messages.
+
+    `unit`: how a text file is split, "paragraph" (at blank lines) or "line" (every non-empty line).
+    """
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    split = _lines if unit == "line" else _paragraphs
     p = Path(path)
     if not p.exists():
         raise MixprecError(f"{what} {p} does not exist")
@@ -55,13 +64,13 @@ def read_texts(
             if f.suffix.lower() == ".jsonl":
                 texts += [(t, f"{rel} {n}") for t, n in _jsonl_texts(f)]
             elif split_folder_files:
-                texts += [(t, f"{rel} {n}") for t, n in _paragraphs(f)]
+                texts += [(t, f"{rel} {n}") for t, n in split(f)]
             else:
                 texts.append((_read(f), rel))
     elif p.suffix.lower() == ".jsonl":
         texts = _jsonl_texts(p)
     elif p.suffix.lower() in suffixes:
-        texts = _paragraphs(p)
+        texts = split(p)
     else:
         plain = "/".join(s for s in suffixes if s != ".jsonl")
         raise MixprecError(
@@ -85,6 +94,12 @@ def _paragraphs(path: Path) -> list[tuple[str, str]]:
     return [(t, f"paragraph {i + 1}") for i, t in enumerate(parts)]
 
 
+def _lines(path: Path) -> list[tuple[str, str]]:
+    # split at "\n" only (a "\r\n" file keeps working: each line is stripped)
+    numbered = [(line.strip(), n) for n, line in enumerate(_read(path).split("\n"), 1)]
+    return [(t, f"line {n}") for t, n in numbered if t]
+
+
 def _jsonl_texts(path: Path) -> list[tuple[str, str]]:
     out = []
     # split at "\n" only: str.splitlines would also cut at U+2028 and others, which JSON allows in a string
@@ -101,4 +116,4 @@ def _jsonl_texts(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-__all__ = ["DOCUMENT_SUFFIXES", "Corpus", "read_texts"]
+__all__ = ["DOCUMENT_SUFFIXES", "UNITS", "Corpus", "read_texts"]

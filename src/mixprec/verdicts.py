@@ -74,21 +74,40 @@ def decide(low: float, high: float, *, upper: float, lower: float = -math.inf) -
     return INCONCLUSIVE
 
 
+def decide_equivalence(low: float, high: float, *, margin: float) -> str:
+    """The verdict of an equivalence question ("is the gap zero, within ±margin?") for a gap where
+    higher is worse (a loss gap): `equivalent` when [low, high] lies within [-margin, +margin]; `worse`
+    when it lies wholly above +margin; `inconclusive` otherwise — including an interval wholly below
+    -margin: a run that is better than its baseline by more than the margin is not shown equivalent
+    (something changed more than rounding), but it is not worse either.
+    """
+    if margin < 0:
+        raise ValueError(f"the margin must be >= 0, got {margin}")
+    if low > margin:
+        return WORSE
+    if -margin <= low and high <= margin:
+        return EQUIVALENT
+    return INCONCLUSIVE
+
+
 def samples_to_settle(
-    interval: Interval, *, upper: float, lower: float = -math.inf
+    interval: Interval, *, upper: float, lower: float = -math.inf, rate: float = 0.5
 ) -> int | None:
     """About how many samples would turn an inconclusive interval into a verdict, or None when it is settled.
 
-    The interval's half-width shrinks as 1/sqrt(n); the estimate is taken as fixed. The verdict is
-    settled once the half-width is below the distance from the estimate to the nearest bound. An
-    estimate exactly on a bound can never be settled: returns -1 (reported as "no number of samples").
+    The interval's half-width shrinks as n**-rate (1/sqrt(n) by default: independent samples; a caller
+    that measured how its interval shrinks, such as compare's band over steps, passes that rate); the
+    estimate is taken as fixed. The verdict is settled once the half-width is below the distance from
+    the estimate to the nearest bound. An estimate exactly on a bound, or an interval that does not
+    shrink (rate <= 0), can never be settled: returns -1 (reported as "no number of samples").
     """
     if decide(interval.low, interval.high, upper=upper, lower=lower) != INCONCLUSIVE:
         return None
     distance = min(abs(interval.estimate - upper), abs(interval.estimate - lower))
-    if distance == 0 or interval.half_width == 0 or not math.isfinite(distance):
+    if distance == 0 or interval.half_width == 0 or not math.isfinite(distance) or rate <= 0:
         return -1
-    return max(interval.samples + 1, math.ceil(interval.samples * (interval.half_width / distance) ** 2))
+    needed = interval.samples * (interval.half_width / distance) ** (1 / rate)
+    return max(interval.samples + 1, math.ceil(min(needed, 1e12)))
 
 
 def paired_bootstrap(
@@ -167,3 +186,12 @@ def perplexity_change(
     """
     total = tokens.sum(dim=-1)
     return torch.exp((candidate_nll.sum(dim=-1) - reference_nll.sum(dim=-1)) / total) - 1
+
+
+def ratio_of_sums(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """Statistic for `paired_bootstrap`: sum(numerator) / sum(denominator) per row.
+
+    A share pooled over samples of unequal size (top-1 matches over tokens, summed KL over positions):
+    each sample weighs by its denominator, as the pooled figure does.
+    """
+    return numerator.sum(dim=-1) / denominator.sum(dim=-1)

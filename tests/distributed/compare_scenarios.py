@@ -7,7 +7,7 @@ from pathlib import Path
 RECIPES = ["bf16", "fp8-delayed"]  # delayed scaling: its amax histories must survive the resume
 SETTINGS = dict(
     steps=6, batch_size=4, seq_len=32, vocab_size=320, max_chars=40_000, val_blocks=4, eval_every=2,
-    monitor_every=2, checkpoint_every=2, noise=False, lr=3e-3, baseline="bf16",
+    monitor_every=2, checkpoint_every=2, noise=False, null_runs=0, lr=3e-3, baseline="bf16",
     model_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                   "num_attention_heads": 4, "num_key_value_heads": 4},
 )  # fmt: skip

@@ -111,3 +111,36 @@ def save(model, tokenizer, directory: Path) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def tiny_clip(vocab_size: int, seed: int = 0, image_size: int = 32):
+    """A CLIPModel with 2-layer text and vision towers (random weights)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(
+        text_config={"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 2,
+                     "pad_token_id": 0},
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": image_size, "patch_size": 8},
+        projection_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return CLIPModel(cfg).eval()
+
+
+def make_pairs(folder: Path, count: int = 6, seed: int = 0) -> Path:
+    """`count` small random RGB images (PNG, two sizes) with word captions in captions.tsv."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for i in range(count):
+        size = (40, 48) if i % 2 else (48, 40)
+        pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(folder / f"img{i}.png")
+        lines.append(f"img{i}.png\t" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))))
+    (folder / "captions.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder

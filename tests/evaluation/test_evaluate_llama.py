@@ -19,6 +19,7 @@ from mixprec.formats import E4M3
 from mixprec.hf import Tokenizer, lm_blocks
 from mixprec.quantization import fake_quantize
 from mixprec.scaling import Granularity
+from mixprec.verdicts import Interval
 
 SAMPLES, SEQ = 8, 32
 
@@ -54,8 +55,14 @@ def test_model_against_itself_is_exact(eval_env, tmp_path):
     assert r.memory["weight_saving_bytes"] == 0 and r.memory["reference_weight_bytes_disk"] > 0
     assert r.throughput["reference_tokens_per_s"] > 0 and r.throughput["candidate_tokens_per_s"] > 0
     assert r.machine["description"] and r.passed
+    # identical models: every interval is the point itself
+    for task, figure, value in (("lm", "perplexity_relative_change", 0.0), ("lm", "top1_agreement", 1.0),
+                                ("lm", "kl_mean", 0.0), ("generate", "rouge_l", 1.0), ("embed", "cosine_mean", 1.0)):  # fmt: skip
+        iv = r.tasks[task]["intervals"][figure]
+        assert iv["low"] == iv["estimate"] == iv["high"] == pytest.approx(value) and iv["level"] == 0.95
+    assert r.data["samples_used"] == {"lm": SAMPLES, "generate": SAMPLES, "embed": SAMPLES}
     d = r.to_dict()
-    assert d["schema_version"] == 1 and json.loads(json.dumps(d)) == d
+    assert d["schema_version"] == 2 and json.loads(json.dumps(d)) == d
 
 
 def _independent_lm(ref_dir, cand_dir, corpus, tok_hf):
@@ -96,16 +103,24 @@ def test_fp8_weights_candidate_agrees_with_independent_computation(eval_env, fp8
     import sacrebleu
     from transformers import AutoModelForCausalLM
 
-    docs, _ = read_documents(eval_env["corpus"])
-    prompts = lm_blocks(docs, Tokenizer(eval_env["tokenizer"], "t"), SEQ, SAMPLES)[:, : SEQ // 2]
+    # one prompt per line of the corpus: its first SEQ // 2 tokens, each generated alone (no batching)
+    lines = [line.strip() for line in eval_env["corpus"].read_text().splitlines() if line.strip()][:SAMPLES]
+    tok = eval_env["tokenizer"]
     texts = []
     for d in (eval_env["llama"], fp8_dir):
         m = AutoModelForCausalLM.from_pretrained(d).eval()
-        with torch.no_grad():
-            out = m.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=16,
-                             min_new_tokens=16, pad_token_id=0)  # fmt: skip
-        texts.append([eval_env["tokenizer"].decode(o[SEQ // 2 :], skip_special_tokens=True) for o in out])
+        outs = []
+        for line in lines:
+            prompt = torch.tensor([tok(line, add_special_tokens=False)["input_ids"][: SEQ // 2]])
+            with torch.no_grad():
+                out = m.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=16,
+                                 min_new_tokens=16, pad_token_id=0)  # fmt: skip
+            outs.append(tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
+        texts.append(outs)
+    assert gen["prompts"] == SAMPLES
     assert gen["bleu"] == pytest.approx(sacrebleu.corpus_bleu(texts[1], [texts[0]]).score, abs=1e-9)
+    iv = gen["intervals"]["bleu"]
+    assert iv["low"] <= gen["bleu"] <= iv["high"] and iv["samples"] == SAMPLES
 
 
 def test_fp8_dynamic_online_and_checkpoint_candidates(eval_env, tmp_path):
@@ -159,8 +174,12 @@ def test_gates_fail_beyond_the_measured_figures(eval_env, fp8_dir, tmp_path):
     change, bleu_ = r.tasks["lm"]["perplexity_relative_change"], r.tasks["generate"]["bleu"]
     cos, speedup = r.tasks["embed"]["cosine_mean"], r.throughput["speedup"]
 
+    # intervals shrunk to their points: the comparison's direction at the boundary, without sampling spread
+    points = {task: {k: Interval(v, v, v, 0.95, 4)} for task, k, v in
+              (("lm", "perplexity_relative_change", change), ("generate", "bleu", bleu_), ("embed", "cosine_mean", cos))}  # fmt: skip
+
     def verdicts(**kw):
-        return [g.passed for g in check_gates(Gates(**kw), r.tasks, r.memory, r.throughput)]
+        return [g.passed for g in check_gates(Gates(**kw), r.tasks, r.memory, r.throughput, points)]
 
     at = {"max_ppl_increase": change, "min_bleu": bleu_, "min_cosine": cos, "min_speedup": speedup}
     assert verdicts(**at, min_memory_saving="0%") == [True] * 5
@@ -176,8 +195,13 @@ def test_gates_fail_beyond_the_measured_figures(eval_env, fp8_dir, tmp_path):
     assert main([*base, "--max-ppl-increase", str(change - 1e-6), "--min-memory-saving", "1MB", "--json",
                  str(out), "--force"]) == 1  # fmt: skip
     doc = json.loads(out.read_text())
-    assert doc["passed"] is False and [g["passed"] for g in doc["gates"]] == [False, False]
-    assert doc["gates"][1]["measured"] == 0
+    # a threshold just under the estimate lies inside its interval: inconclusive, which passes unless --strict
+    ppl, mem = doc["gates"]
+    assert ppl["verdict"] == "inconclusive" and ppl["passed"] is True and ppl["samples_to_settle"] > 4
+    assert ppl["interval"]["low"] < ppl["threshold"] < ppl["interval"]["high"]
+    assert mem["verdict"] == "worse" and mem["passed"] is False and mem["measured"] == 0
+    assert doc["passed"] is False
+    assert main([*base, "--max-ppl-increase", str(change - 1e-6), "--strict"]) == 1
 
 
 def test_library_gates_and_report(eval_env, tmp_path):

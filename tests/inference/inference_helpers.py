@@ -25,6 +25,9 @@ def tiny_llama(seed: int = 0, **overrides):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        # q/k/v out_features [256, 128, 128]: multiples of 128, so vLLM takes them block-quantized
+        # (schemes.serving_reasons), and still grouped-query attention
+        head_dim=64,
         max_position_embeddings=128,
     )
     kw.update(overrides)

@@ -1,5 +1,7 @@
-"""Calibration: the observers clip where they say they do, and calibration text loads from each
-accepted source (a folder of .txt, a .jsonl with 'text', a well-known name with a local copy)."""
+"""Calibration: the observers clip where they say they do, calibration stops when the stop rule says
+(amax settled over the window, after the minimum tokens; the cap otherwise) and says so, and
+calibration text loads from each accepted source (a folder of .txt, a .jsonl with 'text', a
+well-known name with a local copy)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration import (
+    NEVER_STOP_EARLY,
     MaxObserver,
     MseObserver,
     PercentileObserver,
+    StopRule,
     calibrate,
     load_texts,
 )
@@ -75,9 +79,10 @@ def test_mse_picks_the_candidate_with_least_error_strictly_below_max():
 def test_calibrate_uses_the_observer(observer):
     model = nn.Sequential(nn.Linear(320, 32), nn.ReLU(), nn.Linear(32, 16))
     batches = _outlier_batches()
-    amax, kv = calibrate(model, batches, ["0"], observer=observer)
-    assert kv == {}
-    assert 0 < amax["0"] < calibrate(model, batches, ["0"], observer="max")[0]["0"] == pytest.approx(1.3)
+    result = calibrate(model, batches, ["0"], observer=observer)
+    assert result.kv_amax == {}
+    top = calibrate(model, batches, ["0"], observer="max").input_amax["0"]
+    assert 0 < result.input_amax["0"] < top == pytest.approx(1.3)
 
 
 # ---- calibration data --------------------------------------------------------------------------------
@@ -126,3 +131,110 @@ def test_well_known_name_uses_the_local_copy(tmp_path, monkeypatch, llama_dir):
     assert len(report.converted) == 14
     doc = json.loads((work / "out" / "model.fp8_scales.json").read_text())
     assert doc["calibration"]["data"] == "wikitext-2-raw"
+
+
+# ---- when calibration stops ----------------------------------------------------------------------------
+
+
+def _settling_batches(n: int, rows: int = 4, outlier_at: int | None = None) -> list[torch.Tensor]:
+    """Batches of `rows` tokens whose amax is 1.0 from the first batch on; at `outlier_at` one token of 3.0."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(n):
+        x = torch.rand(rows, 16, generator=g) * 0.5
+        x[0, 0] = 1.0
+        if i == outlier_at:
+            x[1, 3] = 3.0
+        batches.append(x)
+    return batches
+
+
+def _layer():
+    return nn.Sequential(nn.Linear(16, 8))
+
+
+def test_stops_once_settled_after_the_minimum_tokens():
+    # amax is 1.0 from batch 1: settled over a window of 3 once 4 snapshots exist (batch 4), but the
+    # minimum of 40 tokens (4 per batch) holds it to batch 10
+    result = calibrate(_layer(), _settling_batches(50), ["0"], stop=StopRule(0.01, 3, 40))
+    run = result.run
+    # a float input [rows, features] is `rows` tokens (and samples)
+    assert (run.stopped, run.batches, run.tokens, run.samples, run.samples_available) == ("converged", 10, 40, 40, 200)  # fmt: skip
+    assert run.max_change == 0.0 and run.max_change_by_batch == [
+        None,
+        None,
+        None,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
+    assert "converged" in run.reason and "40 tokens" in run.reason
+    assert run.rule == {"tolerance": 0.01, "window": 3, "min_tokens": 40}
+
+
+def test_minimum_tokens_is_what_catches_a_late_outlier():
+    batches = _settling_batches(50, outlier_at=12)
+    early = calibrate(_layer(), batches, ["0"], stop=StopRule(0.01, 3, 0))
+    assert early.run.batches == 4 and early.input_amax["0"] == 1.0  # stopped before the outlier
+    late = calibrate(_layer(), batches, ["0"], stop=StopRule(0.01, 3, 64))
+    assert late.input_amax["0"] == 3.0
+    # the outlier moved the amax: the window must pass it again before stopping (batch 12 + 3 + 1)
+    assert late.run.stopped == "converged" and late.run.batches == 16
+
+
+def test_cap_when_it_never_settles_or_tolerance_is_zero():
+    growing = [torch.full((4, 16), float(i + 1)) for i in range(6)]
+    run = calibrate(_layer(), growing, ["0"], stop=StopRule(0.01, 2, 0)).run
+    assert (run.stopped, run.batches, run.samples) == ("cap", 6, 24)
+    assert run.max_change == pytest.approx(2 / 6) and "cap" in run.reason
+    run = calibrate(_layer(), _settling_batches(7), ["0"], stop=NEVER_STOP_EARLY).run
+    assert (run.stopped, run.batches) == ("cap", 7)
+
+
+def test_an_observer_that_saw_nothing_has_not_settled():
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(-1.0)
+        model[0].bias.fill_(-1.0)  # ReLU output is all zero: layer 2 sees nothing
+    batches = [torch.rand(4, 16) for _ in range(6)]
+    with pytest.raises(MixprecError, match="never saw a nonzero input for '2'"):
+        calibrate(model, batches, ["0", "2"], stop=StopRule(0.5, 1, 0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [({"tolerance": -0.1}, "--calib-tolerance"), ({"tolerance": float("nan")}, "--calib-tolerance"),
+     ({"window": 0}, "--calib-window"), ({"min_tokens": -1}, "--calib-min-tokens")],
+)  # fmt: skip
+def test_bad_stop_rule_is_refused(kwargs, flag):
+    with pytest.raises(MixprecError, match=flag):
+        StopRule(**kwargs)
+
+
+def test_cli_bad_tolerance_exits_2_before_any_work(llama_dir, calib_file, tmp_path, capsys):
+    from mixprec.cli import main
+
+    argv = ["quantize", "--model", str(llama_dir), "--output", str(tmp_path / "out"), "--scheme", "fp8-static",
+            "--calib-data", str(calib_file), "--calib-tolerance", "-1"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--calib-tolerance" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_report_and_scales_file_say_how_much_ran_and_why_it_stopped(llama_dir, calib_file, tmp_path):
+    from mixprec.inference import quantize_checkpoint
+
+    report = quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-static", calib_data=calib_file, calib_samples=40,
+                                 calib_seq_len=16, calib_stop=StopRule(0.05, 2, 256), progress=False)  # fmt: skip
+    cal = report.to_dict()["calibration"]
+    assert report.to_dict()["schema_version"] == 2
+    assert cal["stopped"] in ("converged", "cap") and cal["samples_available"] == 40
+    assert cal["tokens"] == cal["samples"] * 16 and cal["batches"] == len(cal["max_change_by_batch"])
+    if cal["stopped"] == "converged":
+        assert cal["tokens"] >= 256 and cal["max_change"] <= 0.05 and cal["samples"] < 40
+    doc = json.loads((tmp_path / "q" / "model.fp8_scales.json").read_text())
+    assert doc["schema_version"] == 2
+    assert {k: doc["calibration"][k] for k in cal} == cal

@@ -19,6 +19,7 @@ import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import quantize_checkpoint
 from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.schemes import PARTLY_QUANTIZED_RULE
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,7 +95,7 @@ def test_tied_head_without_default_ignore_is_kept_and_said(tied_dir, tmp_path):
 def tiny_mixtral(seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
                                      num_experts_per_tok=2, max_position_embeddings=128)  # fmt: skip
     return transformers.MixtralForCausalLM(cfg).eval()
 
@@ -147,7 +148,10 @@ def test_moe_kv_cache_and_layer_by_layer(moe_dir, calib_file, tmp_path):
 def test_moe_ignored_experts_load_in_high_precision(moe_dir, input_ids, tmp_path):
     report = quantize_checkpoint(moe_dir, tmp_path / "q", ignore=[r"re:.*experts\.0\."], progress=False)
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert EXPERT.format(1, 0, 3) in qc["ignore"] and len(report.converted) == 32 - 6
+    # the experts of one MoE block share one decision (vLLM runs them as one fused layer): ignoring
+    # expert 0 keeps every expert of both blocks in high precision, each named with the reason
+    assert EXPERT.format(1, 0, 3) in qc["ignore"] and len(report.converted) == 32 - 24
+    assert report[EXPERT.format(1, 2, 2)].reason.startswith(PARTLY_QUANTIZED_RULE)
     model = mixprec.load_quantized(tmp_path / "q")
     kept = model.model.layers[1].mlp.experts.projections.gate_up_proj[0][1]
     assert type(kept) is torch.nn.Linear and kept.weight.dtype == torch.float32

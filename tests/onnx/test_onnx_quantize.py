@@ -9,9 +9,12 @@ import torch
 
 import onnx
 from mixprec.cli import main
+from mixprec.commands import quantize_onnx as quantize_command
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.onnx import quantize as quantize_module
 from mixprec.onnx import quantize_onnx
+from mixprec.onnx.quantize import MaxErrorExceeded
 from mixprec.quantization import quantize
 from mixprec.scaling import Granularity
 from onnx import TensorProto, helper, numpy_helper
@@ -121,9 +124,80 @@ def test_calibration_from_npz_via_cli(tmp_path):
     import json
 
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["schema_version"] == 1 and len(doc["activation_scales"]) == 2 and doc["check"]["batches"] == 2
+    assert doc["schema_version"] == 2 and len(doc["activation_scales"]) == 2 and doc["check"]["batches"] == 2
+    assert doc["written"] is True and doc["max_error"] is None
     assert main(argv) == 2  # output exists without --force
-    assert main([*argv, "--force", "--max-error", "1e-9"]) == 1  # the error gate
+
+
+def test_failed_max_error_leaves_no_file(tmp_path, capsys):
+    import json
+
+    src = mlp(tmp_path / "mlp.onnx")
+    argv = ["quantize-onnx", "--input", str(src), "--output", str(tmp_path / "fp8.onnx"),
+            "--max-error", "1e-9", "--json", str(tmp_path / "r.json")]  # fmt: skip
+    assert main(argv) == 1  # a failed gate, not a bad input
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    worst = doc["check"]["worst_relative_l2_error"]
+    assert f"{worst:.4g}" in out and "--max-error 1e-09" in out and "was not written" in out
+    assert doc["written"] is False and doc["max_error"] == 1e-9 and worst > 1e-9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx", "r.json"]  # no graph, no staging dir
+    # the library raises the same, with the measurements attached
+    with pytest.raises(MaxErrorExceeded, match="was not written") as caught:
+        quantize_onnx(src, tmp_path / "fp8.onnx", max_error=1e-9)
+    assert caught.value.report.check["worst_relative_l2_error"] == worst
+    assert not (tmp_path / "fp8.onnx").exists()
+    # a limit the graph meets publishes it
+    assert quantize_onnx(src, tmp_path / "fp8.onnx", max_error=BOUND_WEIGHT_ONLY).written
+    assert (tmp_path / "fp8.onnx").is_file()
+
+
+def test_bad_arguments_refused_before_loading(tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a graph was loaded before the arguments were checked")
+
+    monkeypatch.setattr(quantize_module, "load_model", refuse)
+    monkeypatch.setattr(quantize_command, "load_model", refuse)
+    src = str(mlp(tmp_path / "mlp.onnx"))
+    out = str(tmp_path / "o.onnx")
+    (tmp_path / "dir.onnx").mkdir()
+    (tmp_path / "exists.json").write_text("{}")
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    cases = [
+        (["--input", str(tmp_path), "--output", out], "is a directory"),
+        (["--input", src, "--output", str(tmp_path / "dir.onnx"), "--force"], "is a directory"),
+        (["--input", src, "--output", src, "--force"], "is the input"),
+        (["--input", src, "--output", out, "--calib-samples", "0"], "--calib-samples 0"),
+        (["--input", src, "--output", out, "--calib-samples", "-3"], "--calib-samples -3"),
+        (["--input", src, "--output", out, "--calib-seq-len", "1"], "--calib-seq-len 1"),
+        (["--input", src, "--output", out, "--max-error", "-1"], "positive"),
+        (["--input", src, "--output", out, "--max-error", "0"], "positive"),
+        (["--input", src, "--output", out, "--max-error", "nan"], "positive"),
+        (["--input", src, "--output", out, "--max-error", "0.1", "--no-check"], "drop --no-check"),
+        (["--input", src, "--output", out, "--exclude", "re:("], "not a valid regular expression"),
+        (["--input", src, "--output", out, "--calib-data", str(tmp_path / "nope.txt")], "does not exist"),
+        (["--input", src, "--output", out, "--calib-data", str(tmp_path / "corpus.txt"), "--tokenizer",
+          str(tmp_path / "corpus.txt")], "--tokenizer"),
+        (["--input", src, "--output", out, "--json", str(tmp_path / "exists.json")], "already exists"),
+        (["--input", src, "--output", out, "--json", out], "also the ONNX"),
+        (["--input", src, "--output", out, "--json", str(tmp_path)], "is a directory"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        assert main(["quantize-onnx", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_calibration_data_the_graph_cannot_run_is_one_line(tmp_path, capsys):
+    src = mlp(tmp_path / "mlp.onnx")
+    np.savez(tmp_path / "wrong.npz", x=rng.standard_normal((8, 5)).astype(np.float32))  # 5 features, not 16
+    argv = ["quantize-onnx", "--input", str(src), "--output", str(tmp_path / "o.onnx"),
+            "--calib-data", str(tmp_path / "wrong.npz")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "onnxruntime failed on a calibration batch {'x': [4, 5]}" in err and err.count("\n") == 1
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_bad_inputs(tmp_path, capsys):

@@ -19,7 +19,7 @@ from mixprec.training.fp8_linear import Fp8Linear
 IN, OUT = 64, 32
 
 
-def _layer(recipe="fp8-delayed:history=4", seed=0) -> Fp8Linear:
+def _layer(recipe="fp8-delayed:growing=false,history=4", seed=0) -> Fp8Linear:
     torch.manual_seed(seed)
     return Fp8Linear.from_linear(nn.Linear(IN, OUT), recipe, name="l")
 
@@ -75,20 +75,20 @@ def _drive(recipe, amaxes):
 
 def test_max_and_most_recent_differ_as_defined():
     amaxes = [8.0, 1.0, 2.0]
-    by_max = _drive("fp8-delayed:history=4,algo=max", amaxes)
-    recent = _drive("fp8-delayed:history=4,algo=most_recent", amaxes)
+    by_max = _drive("fp8-delayed:growing=false,history=4,algo=max", amaxes)
+    recent = _drive("fp8-delayed:growing=false,history=4,algo=most_recent", amaxes)
     assert by_max.fp8_scale[0].item() == pytest.approx(8.0 / 448, rel=1e-7)
     assert recent.fp8_scale[0].item() == pytest.approx(2.0 / 448, rel=1e-7)
     # a window of 2 forgets the 8.0 after two more steps
-    short = _drive("fp8-delayed:history=2,algo=max", amaxes)
+    short = _drive("fp8-delayed:growing=false,history=2,algo=max", amaxes)
     assert short.fp8_scale[0].item() == pytest.approx(2.0 / 448, rel=1e-7)
-    margin = _drive("fp8-delayed:history=4,margin=2", amaxes)
+    margin = _drive("fp8-delayed:growing=false,history=4,margin=2", amaxes)
     assert margin.fp8_scale[0].item() == pytest.approx(8.0 / (448 * 4), rel=1e-7)
 
 
 @pytest.mark.parametrize("bad", [0.0, math.inf, math.nan])
 def test_a_step_with_amax_zero_or_inf_keeps_the_previous_scale(bad):
-    layer = _drive("fp8-delayed:history=4,algo=most_recent", [4.0])
+    layer = _drive("fp8-delayed:growing=false,history=4,algo=most_recent", [4.0])
     before = layer.fp8_scale.clone()
     x = torch.zeros(16, IN) if bad == 0.0 else torch.randn(16, IN)
     if bad != 0.0:
@@ -122,8 +122,8 @@ def test_activation_checkpointing_reuses_the_steps_scales():
 def _model(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(IN, IN), nn.GELU(), nn.Linear(IN, OUT))
-    model[0] = Fp8Linear.from_linear(model[0], "fp8-delayed:history=3")
-    model[2] = Fp8Linear.from_linear(model[2], "fp8-delayed:history=3")
+    model[0] = Fp8Linear.from_linear(model[0], "fp8-delayed:growing=false,history=3")
+    model[2] = Fp8Linear.from_linear(model[2], "fp8-delayed:growing=false,history=3")
     return model
 
 
@@ -206,7 +206,7 @@ def test_gemms_after_an_advance_use_the_history_scales_and_saturate_like_the_ref
     """Step 2 quantizes with the scales of step 1's amax (delayed), not its own: an input twice as large
     as before saturates at E4M3's max. All three GEMMs against an fp64 GEMM of the operands quantized by
     the foundation's quantize() with exactly those scales."""
-    layer = _layer("fp8-delayed:history=4", seed=5)
+    layer = _layer("fp8-delayed:growing=false,history=4", seed=5)
     _micro_batch(layer, amp_x=2.0, amp_dy=0.5, seed=7)
     layer.advance_scaling()
     s_x, s_w, s_dy = (layer.fp8_scale[i].reshape(1, 1).clone() for i in range(3))
@@ -245,3 +245,40 @@ def test_a_checkpoint_saved_before_the_first_advance_loads_without_a_scale():
     x, x_cur = _micro_batch(layer, amp_dy=1e-6, seed=6), _micro_batch(fresh, amp_dy=1e-6, seed=6)
     assert layer.weight.grad.abs().max() > 0
     assert torch.equal(x.grad, x_cur.grad) and torch.equal(layer.weight.grad, fresh.weight.grad)
+
+
+def test_a_role_whose_amax_sets_a_record_scales_from_its_own_amax_until_the_history_bounds_it():
+    """fp8-delayed's default (current_while_growing): early in training the amax grows step after step
+    and a scale from the history would saturate the new largest values; a role whose amax set a record
+    scales from its own amax on the next step, and returns to the history's scale once a step stays
+    within it. TransformerEngine's rule (growing=false) keeps the history's scale."""
+    layer, te = _layer("fp8-delayed:history=8"), _layer("fp8-delayed:history=8,growing=false")
+    seen = []
+    for layer_ in (layer, te):
+        layer_.set_precision_observer(lambda n, role, t, scale, fmt: seen.append((role, scale.item())))
+        for i, amax in enumerate([1.0, 2.0, 4.0, 3.0, 3.5]):
+            seen.clear()
+            _micro_batch(layer_, amax, 1.0, seed=i)
+            used = dict(seen)["input"]
+            if layer_ is layer:
+                # steps 0-3: no history or a record the step before -> the step's own amax;
+                # step 4: step 3 (3.0) stayed below the record 4.0 -> the history's scale
+                want = amax / E4M3.max if i < 4 else 4.0 / E4M3.max
+            else:
+                want = amax / E4M3.max if i == 0 else max([1.0, 2.0, 4.0, 3.0][:i]) / E4M3.max
+            assert used == pytest.approx(want, rel=1e-7), (layer_ is layer, i)
+            layer_.advance_scaling()
+    assert layer.fp8_scale[0].item() == pytest.approx(4.0 / E4M3.max, rel=1e-7)  # 3.5 < 4.0: delayed
+    _micro_batch(layer, 9.0, 1.0, seed=9)  # a new record: saturates this step (delayed scale 4/448) ...
+    layer.advance_scaling()
+    assert layer.fp8_scale[0].item() == 0.0  # ... and the next step scales from its own amax
+
+
+def test_advance_buffers_record_rule_in_isolation():
+    formats = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+    history = torch.tensor([[5.0, 1.0, 0.0], [4.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    scale, step = torch.full((3,), 0.5), torch.zeros((), dtype=torch.int64)
+    scaling_state.advance_buffers(history, scale, step, formats)
+    # input 5 > 4, 3: a record -> 0; weight 1 <= 2: delayed from the history max 2; grad 0: kept
+    assert scale.tolist() == [0.0, pytest.approx(2.0 / E4M3.max), 0.5]
+    assert history[1].tolist() == [5.0, 1.0, 0.0] and history[0].abs().sum() == 0

@@ -13,12 +13,22 @@ import sys
 from pathlib import Path
 
 from mixprec.commands import extras, torchrun
-from mixprec.comparison.config import DEFAULT_RECIPES, DEFAULT_THRESHOLDS, CompareConfig, parse_fraction
+from mixprec.comparison.config import (
+    DEFAULT_NULL_RUNS,
+    DEFAULT_RECIPES,
+    DEFAULT_STEPS,
+    DEFAULT_THRESHOLDS,
+    POLICIES,
+    CompareConfig,
+    parse_fraction,
+)
 from mixprec.comparison.outdir import stored_config
+from mixprec.comparison.page import null_check_line, verdict_label
 from mixprec.comparison.runner import compare
 from mixprec.distributed.prepare import DataParallel
 from mixprec.distributed.world import broadcast_object, is_main_process
 from mixprec.errors import MixprecError
+from mixprec.verdicts import EQUIVALENT, INCONCLUSIVE, WORSE
 
 NAME = "compare"
 HELP = (
@@ -26,26 +36,11 @@ HELP = (
 )
 TORCHRUN = True  # runs data-parallel under torchrun (mixprec.cli lets it through)
 # options that say how to run, not what to compare: a `--resume` with them alone takes the stored settings
-HOW_TO_RUN = ("out", "resume", "force", "no_progress", "dp", "check_replicas")
+HOW_TO_RUN = ("out", "resume", "force", "no_progress", "dp", "check_replicas", "strict")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--recipes",
-        default=",".join(DEFAULT_RECIPES),
-        help="comma-separated recipe names (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=1000, help="training steps per recipe (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
-    )
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+def add_model_and_data_arguments(parser: argparse.ArgumentParser, tokenizer_default: str = "") -> None:
+    """--model, --data, --tokenizer and --seed: how `compare` and `profile` take a model and its data."""
     parser.add_argument(
         "--model",
         default=None,
@@ -59,13 +54,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="a Hugging Face tokenizer directory (default: byte-level BPE trained on the spot)",
-    )
-    parser.add_argument(
-        "--out", default=None, help="output directory for summary.json, metrics.jsonl, report.html"
+        help="a Hugging Face tokenizer directory (default: "
+        + (tokenizer_default or "byte-level BPE trained on the spot")
+        + ")",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="initial weights and data order (default: %(default)s)"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recipes",
+        default=",".join(DEFAULT_RECIPES),
+        help="comma-separated recipe names (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="training steps per recipe (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
+    )
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    add_model_and_data_arguments(parser)
+    parser.add_argument(
+        "--out", default=None, help="output directory for summary.json, metrics.jsonl, report.html"
     )
     parser.add_argument(
         "--baseline",
@@ -73,20 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="judge every recipe against this one (default: bf16 vs fp32, fp8 vs bf16)",
     )
     parser.add_argument(
+        "--margin-16bit",
         "--threshold-bf16",
+        dest="threshold_bf16",
         default=str(DEFAULT_THRESHOLDS["bf16"]),
-        help="largest accepted gap for 16-bit recipes, fraction or percent like 0.1%% (default: %(default)s)",
+        help="equivalence margin of 16-bit recipes against fp32, fraction or percent like 0.1%% (default: %(default)s)",
     )
     parser.add_argument(
+        "--margin-fp8",
         "--threshold-fp8",
+        dest="threshold_fp8",
         default=str(DEFAULT_THRESHOLDS["fp8"]),
-        help="largest accepted gap for fp8 recipes (default: %(default)s)",
+        help="equivalence margin of fp8 recipes against their baseline (default: %(default)s)",
     )
     parser.add_argument(
         "--max-saturation",
         default=str(DEFAULT_THRESHOLDS["saturation"]),
-        help="largest share of a tensor that may saturate before a gap within the noise counts as a "
-        "failure (default: %(default)s)",
+        help="largest share of a tensor that may saturate (peak over the run) before the recipe is worse "
+        "whatever its loss (default: %(default)s)",
     )
     parser.add_argument(
         "--max-underflow",
@@ -100,7 +121,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which loss the verdict compares (default: %(default)s)",
     )
     parser.add_argument(
-        "--no-noise", action="store_true", help="skip the baseline re-run with a changed data order"
+        "--policy",
+        choices=POLICIES,
+        default="default",
+        help="training policy of the FP8 recipes: the guide's default, or auto: layers a profile of the "
+        "initial model finds beyond --max-saturation / --max-underflow (or below 20 dB SNR) stay in bf16 "
+        "(docs/profile.md) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--null-runs",
+        type=int,
+        default=DEFAULT_NULL_RUNS,
+        help="rounding-level null runs per baseline (same batches, initial weights moved by one ulp): "
+        "their band is the yardstick of every verdict; 0: no band (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--order-noise",
+        action="store_true",
+        help="also re-run each baseline with another data order (reported beside the band, not judged)",
+    )
+    parser.add_argument(
+        "--no-noise", action="store_true", help="no null runs and no data-order run (--null-runs 0)"
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="an inconclusive verdict fails too (exit code 1)"
     )
     parser.add_argument(
         "--monitor-every",
@@ -158,7 +202,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CompareConfig:
             "saturation": parse_fraction(args.max_saturation),
             "underflow": parse_fraction(args.max_underflow),
         },
-        verdict_loss=args.verdict_loss, noise=not args.no_noise, monitor_every=args.monitor_every,
+        verdict_loss=args.verdict_loss, policy=args.policy, null_runs=0 if args.no_noise else args.null_runs,
+        noise=args.order_noise and not args.no_noise, monitor_every=args.monitor_every,
         model_dir=args.model, data=args.data, tokenizer=args.tokenizer, device=args.device,
     )  # fmt: skip
     settings.update(overrides)
@@ -168,23 +213,17 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CompareConfig:
         raise MixprecError(f"--settings: {exc}") from None
 
 
+VERDICT_COLOUR = {EQUIVALENT: "green", WORSE: "red", INCONCLUSIVE: "yellow"}
+
+
 def print_summary(summary) -> None:
     from rich.console import Console
     from rich.table import Table
 
     which = "validation" if summary.verdict_loss == "val" else "train"
-    table = Table(title=f"mixprec compare (verdict on the {which} loss)")
-    for col in (
-        "recipe",
-        "baseline",
-        "train gap",
-        "val gap",
-        "baseline noise t/v",
-        "sat. peak",
-        "underflow peak",
-        "NaN",
-        "verdict",
-    ):
+    table = Table(title=f"mixprec compare (verdict on the {which} loss, against the null runs' band)")
+    for col in ("recipe", "baseline", "train gap", "val gap", "interval", "null band t/v", "margin", "sat. peak",
+                "underflow peak", "NaN", "verdict"):  # fmt: skip
         table.add_column(col)
 
     def pct(x):
@@ -194,19 +233,40 @@ def print_summary(summary) -> None:
         return "–" if not p else f"{max(v['value'] for v in p.values()) * 100:.2f}%"
 
     for name, r in summary.recipes.items():
-        colour = {"pass": "green", "fail": "red", "inconclusive": "yellow"}.get(r.verdict, "blue")
-        noise = "–" if r.noise_train is None else f"{pct(r.noise_train)} / {pct(r.noise_val)}"
-        table.add_row(name, r.baseline or "–", pct(r.train_gap), pct(r.val_gap), noise, peak(r.saturation_peak),
-                      peak(r.underflow_peak), str(r.nan_events), f"[{colour}]{r.verdict}[/{colour}]")  # fmt: skip
+        colour = VERDICT_COLOUR.get(r.verdict, "blue")
+        iv = "–" if not r.interval else f"[{pct(r.interval['low'])}, {pct(r.interval['high'])}]"
+        band = "–" if r.band_train is None else f"±{pct(r.band_train)[1:]} / ±{pct(r.band_val)[1:]}"
+        margin = "–" if r.margin is None else f"{r.margin * 100:.2f}%"
+        table.add_row(name, r.baseline or "–", pct(r.train_gap), pct(r.val_gap), iv, band, margin,
+                      peak(r.saturation_peak), peak(r.underflow_peak), str(r.nan_events),
+                      f"[{colour}]{verdict_label(r)}[/{colour}]")  # fmt: skip
     # piped or logged output has no terminal width: rich would squeeze the table into 80 columns
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(table)
     for name, r in summary.recipes.items():
-        if r.verdict in ("fail", "inconclusive"):
-            colour = "red" if r.verdict == "fail" else "yellow"
+        if r.verdict in (WORSE, INCONCLUSIVE):
+            colour = VERDICT_COLOUR[r.verdict]
             console.print(f"[{colour}]{name}[/{colour}]: " + "; ".join(r.reasons))
+    for base, band in summary.bands.items():
+        line = null_check_line(base, band.get("null_check"))
+        if line:
+            ok = band["null_check"]["verdict"] == EQUIVALENT
+            console.print(f"[{'green' if ok else 'red'}]{line}[/{'green' if ok else 'red'}]")
+    auto = summary.model.get("automatic_policy")
+    for policy in (auto or {}).get("policies", {}).values():  # --policy auto: what each recipe kept in bf16
+        kept = policy["kept"]
+        console.print(
+            f"automatic policy, {policy['recipe']}: {len(kept)} layer(s) kept in bf16", markup=False
+        )
+        for k in kept:
+            console.print(f"  {k['layer']}: {'; '.join(k['reasons'])}", markup=False, highlight=False)
     if summary.report_path:
         console.print(f"report: {summary.report_path}")
+
+
+def exit_code(summary, strict: bool) -> int:
+    """0: no recipe worse (inconclusive too, unless strict); 1: a recipe worse (or inconclusive, strict)."""
+    return 1 if summary.exit_code or (strict and summary.inconclusive()) else 0
 
 
 def check_extras(args: argparse.Namespace) -> None:
@@ -242,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             print_summary(summary)
         # the verdict is rank 0's (its summary is the one printed and written; the precision statistics
         # are each rank's own): every rank exits with it
-        code = broadcast_object(summary.exit_code)
+        code = broadcast_object(exit_code(summary, args.strict))
         if args.check_replicas:
             differ = [
                 name for name, m in summary.trained_models.items() if not torchrun.replicas_identical(m)

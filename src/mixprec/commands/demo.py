@@ -8,10 +8,11 @@ from rich.console import Console
 
 from mixprec.commands import extras
 from mixprec.commands.compare import print_summary
-from mixprec.demo import run_demo
+from mixprec.demo import NEGATIVE_CONTROLS, run_demo
+from mixprec.verdicts import WORSE
 
 NAME = "demo"
-HELP = "compare fp32/bf16/fp8 training of a small built-in Llama, quantize the result to FP8 and evaluate it"
+HELP = "compare bf16/fp8 training of a small built-in Llama (with null runs and a negative control), quantize the result to FP8 and evaluate it"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
     result = run_demo(args.out, force=args.force, progress=not args.no_progress, steps=args.steps)
     print_summary(result.training)
     console = Console()
+    for control in NEGATIVE_CONTROLS:
+        if control in result.training.recipes:
+            verdict = result.training.recipes[control].verdict
+            caught = "[green]detected[/green]" if verdict == WORSE else "[red]NOT detected[/red]"
+            console.print(f"negative control {control}: {verdict} ({caught})")
     info = result.inference
     if info.get("status") == "done":
         console.print(f"FP8 inference: {'[green]pass[/green]' if info['passed'] else '[red]FAIL[/red]'} "

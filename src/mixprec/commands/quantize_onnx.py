@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from mixprec.errors import MixprecError
-from mixprec.files import check_new_output, write_json_atomic
+from mixprec.files import write_json_atomic
 from mixprec.onnx.common import load_model
 from mixprec.onnx.inputs import load_calib_inputs
-from mixprec.onnx.quantize import DEFAULT_EXCLUDE, quantize_onnx
+from mixprec.onnx.quantize import DEFAULT_EXCLUDE, MaxErrorExceeded, check_quantize_inputs, quantize_onnx
 
 NAME = "quantize-onnx"
 HELP = "convert an ONNX model to FP8 E4M3 QuantizeLinear/DequantizeLinear and check it with onnxruntime"
@@ -28,48 +28,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", metavar="DIR", help="tokenizer for text --calib-data (default: the exported model's)"
     )
-    parser.add_argument("--calib-samples", type=int, default=32)
-    parser.add_argument("--calib-seq-len", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=32, help="calibration sequences (default 32)")
+    parser.add_argument("--calib-seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN",
                         help="module paths / node / initializer names kept in fp32 (default: lm_head)")  # fmt: skip
     parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     parser.add_argument("--max-error", type=float, default=None, metavar="E",
-                        help="exit 1 when the worst relative L2 error of an output exceeds E")  # fmt: skip
+                        help="exit 1, writing no graph, when the worst relative L2 error of an output exceeds E")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the report (scales, errors) as JSON")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
 
 
 def run(args: argparse.Namespace) -> int:
+    # every argument is checked before a graph is loaded (a bad one: one line, exit 2)
+    exclude = DEFAULT_EXCLUDE if args.exclude is None else tuple(args.exclude)
+    check_quantize_inputs(
+        args.input, args.output, force=args.force, exclude=exclude, check=not args.no_check,
+        max_error=args.max_error, calib_data=args.calib_data, tokenizer=args.tokenizer,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, json_path=args.json,
+    )  # fmt: skip
+    src, dst = Path(args.input), Path(args.output)
 
-    if args.max_error is not None and args.no_check:
-        raise MixprecError("--max-error needs the check (drop --no-check)")
-    if args.json:
-        check_new_output(args.json, args.force, label="--json")
     calib = None
     if args.calib_data:
-        calib = load_calib_inputs(args.calib_data, load_model(args.input), tokenizer_dir=args.tokenizer,
+        calib = load_calib_inputs(args.calib_data, load_model(src), tokenizer_dir=args.tokenizer,
                                   samples=args.calib_samples, seq_len=args.calib_seq_len)  # fmt: skip
-    report = quantize_onnx(
-        args.input, args.output, granularity=args.granularity, calib_inputs=calib,
-        exclude=DEFAULT_EXCLUDE if args.exclude is None else tuple(args.exclude), force=args.force,
-        check=not args.no_check,
-    )  # fmt: skip
+    try:
+        report = quantize_onnx(
+            src, dst, granularity=args.granularity, calib_inputs=calib, exclude=exclude, force=args.force,
+            check=not args.no_check, max_error=args.max_error,
+        )  # fmt: skip
+        failure = None
+    except MaxErrorExceeded as exc:
+        report, failure = exc.report, exc
     if args.json:
         write_json_atomic(args.json, report.to_dict(), default=str)
-    print(
-        f"wrote {report.output}: {len(report.weights)} FP8 weights ({report.granularity} scales), "
-        f"{len(report.activation_scales)} static activation scales, {len(report.skipped)} MatMul/Gemm kept in fp32; "
-        f"weights {report.weight_bytes_before:,} -> {report.weight_bytes_after:,} bytes"
-    )
-    failed = False
+    if failure is None:
+        print(
+            f"wrote {report.output}: {len(report.weights)} FP8 weights ({report.granularity} scales), "
+            f"{len(report.activation_scales)} static activation scales, {len(report.skipped)} MatMul/Gemm kept in fp32; "
+            f"weights {report.weight_bytes_before:,} -> {report.weight_bytes_after:,} bytes"
+        )  # fmt: skip
     if report.check:
         for name, o in report.check["outputs"].items():
             top1 = f", top-1 agreement {o['top1_agreement']:.4f}" if o["top1_agreement"] is not None else ""
             print(f"check ({report.check['inputs']}, onnxruntime CPU) {name}: relative L2 error "
                   f"{o['relative_l2_error']:.4g}, max |diff| {o['max_abs_error']:.4g}, SNR {o['snr_db']:.1f} dB{top1}")  # fmt: skip
-        if args.max_error is not None and report.check["worst_relative_l2_error"] > args.max_error:
-            print(
-                f"FAILED: error {report.check['worst_relative_l2_error']:.4g} > --max-error {args.max_error}"
-            )
-            failed = True
-    return 1 if failed else 0
+    if failure is not None:  # a failed gate, not a bad input: exit 1, and no graph was written
+        print(f"FAILED: {failure}")
+        return 1
+    return 0

@@ -9,14 +9,33 @@ from pathlib import Path
 from mixprec.errors import MixprecError
 from mixprec.hf import check_model_dir
 from mixprec.recipes import from_name
+from mixprec.sensitivity import SATURATION_LIMIT, UNDERFLOW_LIMIT
+from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN
 
 DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
-# Loss gaps: the guide's 0.1 % (16-bit vs fp32); DeepSeek-V3's 0.25 % (FP8 vs BF16). Precision
-# statistics: the largest share of a tensor that may saturate / underflow (peak over the run) before it
-# counts as evidence of a precision problem where the loss gap alone cannot tell (see summary._verdict).
-DEFAULT_THRESHOLDS = {"bf16": 0.001, "fp8": 0.0025, "saturation": 0.01, "underflow": 0.05}
+# The default comparison: these 4 recipes plus 3 null runs of each baseline (fp32, bf16) = 10 runs of the
+# built-in 4-layer Llama. 500 steps (the short end of the guide's 500-1000-step runs) keeps it near 16
+# minutes on an idle 2-core CPU, estimated from the measured 0.14 / 0.2 / 0.3 s per step of fp32 / bf16 /
+# FP8 at this size (docs/compare.md); 3 null runs are the fewest that allow the leave-one-out null check.
+DEFAULT_STEPS = 500
+# Margins of the loss gap (mixprec.verdicts): the guide's 0.1 % (16-bit vs fp32); DeepSeek-V3's 0.25 %
+# (FP8 vs BF16). Precision statistics: the largest share of a tensor that may saturate / underflow (peak
+# over the run) before it counts as evidence of a precision problem where the loss gap alone cannot tell
+# (see summary._verdict).
+DEFAULT_THRESHOLDS = {
+    "bf16": HALF_MARGIN,
+    "fp8": FP8_MARGIN,
+    "saturation": SATURATION_LIMIT,
+    "underflow": UNDERFLOW_LIMIT,
+}
 NOISE_SUFFIX = "~reorder"  # run name of a baseline re-run with only the data order changed
+NULL_SUFFIX = "~null"  # + k (1-based): a baseline re-run from weights perturbed at rounding level
+DEFAULT_NULL_RUNS = 3
 VERDICT_LOSSES = ("val", "train")
+# "default": the guide's training policy; "auto": per FP8 recipe, the layers a profile of the initial
+# model finds beyond the saturation / underflow thresholds (or the SNR limit) stay in bf16
+# (mixprec.sensitivity.automatic_policy; docs/profile.md)
+POLICIES = ("default", "auto")
 
 
 @dataclass(frozen=True)
@@ -24,7 +43,7 @@ class CompareConfig:
     """Everything that decides the numbers of a comparison (so --resume can check it is the same run)."""
 
     recipes: tuple[str, ...] = DEFAULT_RECIPES
-    steps: int = 1000
+    steps: int = DEFAULT_STEPS
     eval_every: int | None = None  # None: steps // 20 (at least 1)
     eval_last: int = 3  # final validation loss = mean of the last `eval_last` evaluations
     batch_size: int = 16
@@ -40,7 +59,11 @@ class CompareConfig:
     # ~200k tokens at the defaults), while the validation set is small; measured at the default size, the
     # validation gap of a correct bf16 run was +0.33 % (train -0.03 %), see docs/compare.md
     verdict_loss: str = "train"
-    noise: bool = True  # re-run each baseline with a changed data order
+    # K rounding-level null runs per baseline: the same batches from initial weights moved by one ulp
+    # at random positions (training_run.perturb_weights); their gaps to the baseline make the band
+    null_runs: int = DEFAULT_NULL_RUNS
+    noise: bool = False  # also re-run each baseline with a changed data order (reported, not judged)
+    policy: str = "default"  # one of POLICIES
     monitor_every: int | None = None  # None: min(100, steps // 20)
     checkpoint_every: int | None = None  # None: every evaluation
     model_dir: str | None = None
@@ -96,6 +119,7 @@ class CompareConfig:
         for key, value, low in (
             ("steps", self.steps, 1), ("batch_size", self.batch_size, 1), ("seq_len", self.seq_len, 8),
             ("eval_last", self.eval_last, 1), ("vocab_size", self.vocab_size, 300), ("val_blocks", self.val_blocks, 1),
+            ("null_runs", self.null_runs, 0),
         ):  # fmt: skip
             if not isinstance(value, int) or value < low:
                 raise MixprecError(f"{key} must be an integer >= {low}, got {value!r}")
@@ -117,8 +141,12 @@ class CompareConfig:
 
             if not torch.cuda.is_available():
                 raise MixprecError(f"device {self.device}: CUDA is not available on this machine")
+        if self.null_runs == 1:
+            raise MixprecError("null_runs must be 0 (no band) or at least 2 (a band needs a spread)")
         if self.verdict_loss not in VERDICT_LOSSES:
             raise MixprecError(f"verdict_loss must be one of {VERDICT_LOSSES}, got {self.verdict_loss!r}")
+        if self.policy not in POLICIES:
+            raise MixprecError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         self.baselines()  # every non-baseline recipe must have a baseline in the run
         if self.data is not None and not Path(self.data).exists():
             raise MixprecError(f"data path {self.data} does not exist")
@@ -152,6 +180,16 @@ class CompareConfig:
     def threshold_for(self, recipe: str) -> float:
         """FP8 recipes are judged with the fp8 threshold, every other kind with the 16-bit one."""
         return self.thresholds["fp8" if from_name(recipe).kind == "fp8" else "bf16"]
+
+
+def null_run_name(baseline: str, k: int) -> str:
+    """The run name of null run k (1-based) of `baseline`."""
+    return f"{baseline}{NULL_SUFFIX}{k}"
+
+
+def is_extra_run(name: str) -> bool:
+    """A run that re-runs a baseline (null or data-order noise), not a recipe of the comparison."""
+    return NULL_SUFFIX in name or name.endswith(NOISE_SUFFIX)
 
 
 def parse_fraction(text: str | float) -> float:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from mixprec.comparison.config import NOISE_SUFFIX
+from mixprec.comparison.config import NOISE_SUFFIX, NULL_SUFFIX, is_extra_run
 from mixprec.comparison.summary import (
+    WINDOW_SHARE,
     ComparisonSummary,
     gap_curve,
     smoothed,
@@ -16,6 +17,10 @@ from mixprec.comparison.summary import (
 from mixprec.monitor import ROLES
 from mixprec.pages import Section, heatmap_grid_png, line_plot_png, paragraph, table_html
 from mixprec.recipes import from_name
+from mixprec.verdicts import EQUIVALENT, INCONCLUSIVE, WORSE
+
+# row colours of the verdict table (mixprec.pages styles "pass" / "fail" / "inconclusive" rows)
+VERDICT_CLASS = {EQUIVALENT: "pass", WORSE: "fail", INCONCLUSIVE: "inconclusive"}
 
 
 def _pct(x: float | None, digits: int = 3) -> str:
@@ -33,27 +38,60 @@ def _peak(peaks: dict) -> str:
     return f"{top['value'] * 100:.2f}% {role}"
 
 
+def _interval(iv: dict | None) -> str:
+    return "–" if not iv else f"[{_pct(iv['low'])}, {_pct(iv['high'])}]"
+
+
+def _band(r) -> str:
+    if r.band_train is None and r.band_val is None:
+        return "–"
+    return f"±{_pct(r.band_train)[1:]} / ±{_pct(r.band_val)[1:]}"
+
+
+def verdict_label(r) -> str:
+    """The verdict word, with how many steps would settle an inconclusive one."""
+    if r.verdict == INCONCLUSIVE and r.steps_to_settle:
+        return r.verdict + (" (no number of steps settles it)" if r.steps_to_settle < 0
+                            else f" (~{r.steps_to_settle} steps would settle it)")  # fmt: skip
+    return r.verdict
+
+
 def verdict_section(summary: ComparisonSummary) -> Section:
     which = "validation" if summary.verdict_loss == "val" else "train"
-    headers = ["recipe", "baseline", "final train", "final val", "train gap", "val gap", "baseline noise (train / val)",
-               "largest smoothed gap", "saturation peak", "underflow peak", "NaN steps", "verdict", "why"]  # fmt: skip
+    headers = ["recipe", "baseline", "final train", "final val", "train gap", "val gap", f"decided interval ({which})",
+               "null band (train / val)", "data-order noise (train / val)", "largest smoothed gap", "saturation peak",
+               "underflow peak", "NaN steps", "verdict", "why"]  # fmt: skip
     rows, classes = [], []
     for name, r in summary.recipes.items():
         noise = "–" if r.noise_train is None else f"{_pct(r.noise_train)} / {_pct(r.noise_val)}"
         big = "–" if r.max_smoothed_gap is None else f"{_pct(r.max_smoothed_gap)} @ {r.max_smoothed_gap_step}"
         rows.append([name, r.baseline or "–", _num(r.final_train_loss), _num(r.final_val_loss), _pct(r.train_gap),
-                     _pct(r.val_gap), noise, big, _peak(r.saturation_peak), _peak(r.underflow_peak), r.nan_events,
-                     r.verdict.upper(), "; ".join(r.reasons)])  # fmt: skip
-        classes.append(r.verdict)
+                     _pct(r.val_gap), _interval(r.interval), _band(r), noise, big, _peak(r.saturation_peak),
+                     _peak(r.underflow_peak), r.nan_events, verdict_label(r).upper(), "; ".join(r.reasons)])  # fmt: skip
+        classes.append(VERDICT_CLASS.get(r.verdict, "baseline"))
     cfg = summary.config
+    margins = cfg["thresholds"]
+    window = max(1, math.ceil(WINDOW_SHARE * cfg["steps"]))
     note = (
-        f"The verdict uses the {which} loss: gap = (loss − baseline) / baseline, signed; a recipe passes when its "
-        f"gap is at most the threshold (bf16 {cfg['thresholds']['bf16'] * 100:.2f}%, fp8 {cfg['thresholds']['fp8'] * 100:.2f}%) "
-        f"and no step had NaN/inf. Final train loss: mean of the last 10% of steps; final validation loss: mean of "
-        f"the last {cfg['eval_last']} evaluations. Baseline noise: the baseline re-run from the same initial weights "
-        f"with only the data order changed — gaps smaller than it are not distinguishable from noise."
+        f"The verdict uses the {which} loss: gap = (loss − baseline) / baseline, signed, over the last {window} steps "
+        f"(the same batches for every run). Margins: FP8 recipes {margins['fp8'] * 100:.2f}% against their "
+        f"baseline, 16-bit recipes {margins['bf16'] * 100:.2f}%. Null band: the largest |gap| of the baseline's "
+        f"{cfg.get('null_runs', 0)} null runs — the baseline again on the same batches from initial weights moved by "
+        f"one ulp at random positions — i.e. how far two equally good runs drift apart. Decided interval: the gap's "
+        f"paired bootstrap interval (95 %) widened by the band on each side. equivalent: the whole interval is at or "
+        f"below the margin; worse: the whole interval is above it (or NaN/inf steps, or saturation / underflow beyond "
+        f"their limits); inconclusive: it straddles the margin, with the steps that would settle it extrapolated from "
+        f"how the interval narrowed between half the run and the whole. Data-order noise (when run): the baseline "
+        f"with its batches reordered, reported for comparison, not used by the verdict."
     )
-    status = "ALL PASS" if summary.passed else f"FAIL: {', '.join(summary.failures())}"
+    bad, open_ = summary.failures(), summary.inconclusive()
+    status = (
+        ("WORSE: " + ", ".join(bad))
+        if bad
+        else ("INCONCLUSIVE: " + ", ".join(open_))
+        if open_
+        else "ALL EQUIVALENT"
+    )
     return Section(
         f"Verdict — {status}", html=table_html(headers, rows, classes) + f'<p class="note">{note}</p>'
     )
@@ -69,11 +107,12 @@ def curve_sections(summary: ComparisonSummary, records: list[dict]) -> list[Sect
         name: ([r["step"] for r in sorted(k["eval"], key=lambda r: r["step"])], [r["val_loss"] for r in sorted(k["eval"], key=lambda r: r["step"])])
         for name, k in runs.items()
     }  # fmt: skip
+    extra = [k for k in train if is_extra_run(k)]
     images = [
-        (f"train loss, moving average over {w} steps (runs marked {NOISE_SUFFIX}: baseline, data order changed)",
-         line_plot_png(train, title="train loss (smoothed)", ylabel="loss", logy=True,
-                       dashed=[k for k in train if k.endswith(NOISE_SUFFIX)])),
-        ("validation loss on the held-out blocks", line_plot_png(val, title="validation loss", ylabel="loss", logy=True)),
+        (f"train loss, moving average over {w} steps (dashed: the baselines' null runs {NULL_SUFFIX}k and data-order runs {NOISE_SUFFIX})",
+         line_plot_png(train, title="train loss (smoothed)", ylabel="loss", logy=True, dashed=extra)),
+        ("validation loss on the held-out blocks", line_plot_png(val, title="validation loss", ylabel="loss", logy=True,
+                                                                 dashed=extra)),
     ]  # fmt: skip
     gaps, val_gaps, hlines, bands = {}, {}, {}, {}
     for name, r in summary.recipes.items():
@@ -82,34 +121,70 @@ def curve_sections(summary: ComparisonSummary, records: list[dict]) -> list[Sect
         base_losses = train_losses(runs[r.baseline]["step"], steps)
         gaps[f"{name} vs {r.baseline}"] = (
             xs,
-            [
-                g if g is not None else float("nan")
-                for g in gap_curve(train_losses(runs[name]["step"], steps), base_losses, steps)
-            ],
+            _nan(gap_curve(train_losses(runs[name]["step"], steps), base_losses, steps)),
         )
         _bx, bv = val[r.baseline]
         vx, vv = val[name]
         val_gaps[f"{name} vs {r.baseline}"] = (vx, [(a - b) / b for a, b in zip(vv, bv)])
         kind = "fp8" if from_name(name).kind == "fp8" else "16-bit"
-        hlines[f"{kind} threshold {r.threshold * 100:.2f}%"] = r.threshold
-        noise_key = r.baseline + NOISE_SUFFIX
-        if noise_key in runs:
-            ng = gap_curve(train_losses(runs[noise_key]["step"], steps), base_losses, steps)
-            gaps[f"noise: {noise_key} vs {r.baseline}"] = (
-                xs,
-                [g if g is not None else float("nan") for g in ng],
-            )
-        if r.noise_val is not None:
-            bands[f"|val noise of {r.baseline}|"] = (-abs(r.noise_val), abs(r.noise_val))
+        hlines[f"{kind} margin {r.margin * 100:.2f}%"] = r.margin
+        for extra_run in (*summary.bands.get(r.baseline, {}).get("runs", []), r.baseline + NOISE_SUFFIX):
+            if extra_run in runs and f"{extra_run} vs {r.baseline}" not in gaps:
+                ng = gap_curve(train_losses(runs[extra_run]["step"], steps), base_losses, steps)
+                gaps[f"{extra_run} vs {r.baseline}"] = (xs, _nan(ng))
+        if r.band_val is not None:
+            bands[f"null band of {r.baseline}"] = (-r.band_val, r.band_val)
     hl = dict(sorted(hlines.items(), key=lambda kv: kv[1]))
     images_gap = [
-        ("relative gap of the smoothed train loss to the baseline (dashed: the noise curve, the baseline against itself with another data order)",
+        ("relative gap of the smoothed train loss to the baseline (dashed: the baseline's null runs and data-order run against it)",
          line_plot_png(gaps, title="relative train-loss gap over steps", ylabel="gap", percent=True, hlines=hl,
-                       dashed=[k for k in gaps if k.startswith("noise:")])),
-        ("relative gap of the validation loss to the baseline at each evaluation; grey band: the baseline's validation noise",
+                       dashed=[k for k in gaps if is_extra_run(k.split(" vs ")[0])])),
+        ("relative gap of the validation loss to the baseline at each evaluation; grey band: the null runs' validation band",
          line_plot_png(val_gaps, title="relative validation-loss gap", ylabel="gap", percent=True, hlines=hl, bands=bands)),
     ]  # fmt: skip
-    return [Section("Loss curves", images=images), Section("Relative gap over steps", images=images_gap)]
+    return [Section("Loss curves", images=images), Section("Relative gap over steps", images=images_gap),
+            band_section(summary)]  # fmt: skip
+
+
+def null_check_line(base: str, check: dict | None) -> str:
+    """One sentence: the null check of `base` (a null run judged against the others' band)."""
+    if not check:
+        return ""
+    iv = check.get("interval")
+    return (
+        f"Null check of {base}: {check['run']} judged against {base} with the band of "
+        f"{', '.join(check['against'])} (leave-one-out), margin {check['margin'] * 100:.2f}%: "
+        f"{check['verdict']}{'' if not iv else f' (interval {_interval(iv)})'}; in both orders (interval within "
+        f"±{check['margin'] * 100:.2f}%): {check.get('symmetric_verdict', '–')} — a run as good as the baseline must "
+        f"come out equivalent, or the band procedure cannot be trusted at this size."
+    )
+
+
+def _nan(curve: list) -> list[float]:
+    return [g if g is not None else float("nan") for g in curve]
+
+
+def band_section(summary: ComparisonSummary) -> Section:
+    """The null runs' band of each baseline and how it evolved over the run (beside the data-order run)."""
+    rows = []
+    for base, band in summary.bands.items():
+        order = summary.noise_runs.get(base, {}).get("evolution", [])
+        order_at = {p["step"]: p["train"] for p in order}
+        for point in band["evolution"]:
+            rows.append([base, point["step"], f"±{_pct(point['train'])[1:]}" if point["train"] is not None else "–",
+                         _pct(order_at.get(point["step"]))])  # fmt: skip
+        rows.append([base, "final (val)", f"±{_pct(band['half_width_val'])[1:]}" if band["half_width_val"] is not None
+                     else "–", _pct(summary.noise_runs.get(base, {}).get("val"))])  # fmt: skip
+    checks = [null_check_line(base, band.get("null_check")) for base, band in summary.bands.items()]
+    html = (
+        "".join(paragraph(c) for c in checks if c)
+        + paragraph(
+            "Half-width of the null band (largest |train gap| of the null runs over the window of 10 % of the steps "
+            "ending at that step) as the run went on, beside the data-order run's gap over the same window."
+        )
+        + table_html(["baseline", "step", "null band", "data-order gap"], rows)
+    )
+    return Section("Null band over steps", html=html)
 
 
 def precision_sections(records: list[dict]) -> list[Section]:
@@ -118,7 +193,7 @@ def precision_sections(records: list[dict]) -> list[Section]:
     out = []
     for name, kinds in runs.items():
         rows = kinds.get("precision", [])
-        if not rows or name.endswith(NOISE_SUFFIX):
+        if not rows or is_extra_run(name):
             continue
         steps = sorted({r["step"] for r in rows})
         layers = list(dict.fromkeys(r["layer"] for r in rows))

@@ -1,14 +1,15 @@
 """`mixprec.compare`: the same model, initial weights and data order under several recipes, judged.
 
-    summary = mixprec.compare(["fp32", "bf16", "fp8-delayed"], steps=1000, out="cmp")
+    summary = mixprec.compare(["fp32", "bf16", "fp8-delayed"], steps=500, out="cmp")
     summary.passed, summary.recipes["fp8-delayed"].val_gap, summary.exit_code
 
 Each recipe trains a copy of one initial model on the same batches; each baseline (fp32 for bf16,
-bf16 for fp8 when present) is also re-run with only the data order changed, so every gap stands next
-to the run-to-run noise it must be read against. The verdict compares the train loss by default (mean
-of the last 10 % of steps, the same batches for every recipe); `verdict_loss="val"` uses the
-validation loss (mean of the last evaluations on the same held-out blocks) instead. See
-docs/compare.md and docs/schemas/compare.md.
+bf16 for fp8 when present) is also re-run `null_runs` times (default 3) on the same batches from initial
+weights moved by one ulp at random positions: their gaps to the baseline are the band every verdict is
+read against (mixprec.comparison.summary). `noise=True` adds the old yardstick, a re-run with another data
+order (reported only). The verdict compares the train loss by default (the last 10 % of steps, the same
+batches for every run); `verdict_loss="val"` uses the validation loss instead. See docs/compare.md and
+docs/schemas/compare.md.
 """
 
 from __future__ import annotations
@@ -22,11 +23,17 @@ from pathlib import Path
 import torch
 
 from mixprec.comparison import outdir
-from mixprec.comparison.config import DEFAULT_RECIPES, NOISE_SUFFIX, CompareConfig
+from mixprec.comparison.config import (
+    DEFAULT_RECIPES,
+    DEFAULT_STEPS,
+    NOISE_SUFFIX,
+    CompareConfig,
+    null_run_name,
+)
 from mixprec.comparison.page import compare_sections
 from mixprec.comparison.summary import METRICS_SCHEMA_VERSION, ComparisonSummary, json_safe, summarize
 from mixprec.comparison.training_run import RunResult, RunSpec, train_run
-from mixprec.data import load_corpus, prepare_data
+from mixprec.data import TokenizedData, load_corpus, prepare_data, train_batch
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
 from mixprec.hf import has_tokenizer, load_model, vocab_size
@@ -34,6 +41,8 @@ from mixprec.kernels.hardware import describe_machine, detect
 from mixprec.models import ReferenceModelConfig, build_reference_model
 from mixprec.pages import write_html_report
 from mixprec.progress import ProgressBars
+from mixprec.recipes import from_name
+from mixprec.sensitivity import Limits, automatic_policy, is_quantizing, policy_section, profile_model
 
 
 def run_specs(config: CompareConfig) -> list[RunSpec]:
@@ -45,8 +54,15 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
         max_grad_norm=config.max_grad_norm, device=config.device,
     )  # fmt: skip
     specs = [RunSpec(name=r, recipe=r, order_seed=config.seed, **common) for r in config.recipes]
+    bases = [b for b in dict.fromkeys(config.baselines().values()) if b]
+    for b in bases:
+        # null run k of every baseline draws its perturbation from (seed, k): the same across baselines
+        specs += [
+            RunSpec(name=null_run_name(b, k), recipe=b, order_seed=config.seed,
+                    perturb_seed=config.seed * 1000 + k, **common)
+            for k in range(1, config.null_runs + 1)
+        ]  # fmt: skip
     if config.noise:
-        bases = [b for b in dict.fromkeys(config.baselines().values()) if b]
         specs += [
             RunSpec(name=b + NOISE_SUFFIX, recipe=b, order_seed=config.seed + 1, **common) for b in bases
         ]
@@ -87,7 +103,7 @@ def load_inputs(config: CompareConfig):
 def compare(
     recipes: Sequence[str] = DEFAULT_RECIPES,
     *,
-    steps: int = 1000,
+    steps: int = DEFAULT_STEPS,
     out: str | os.PathLike | None = None,
     model: str | os.PathLike | None = None,
     data: str | os.PathLike | None = None,
@@ -139,6 +155,8 @@ def compare(
         if resume:
             _check_checkpoint_kind(ckpt_dir, world)
     specs = run_specs(config)
+    if config.policy == "auto":
+        specs = with_automatic_policies(config, specs, base_model, data_t, model_info)
     results: list[RunResult] = []
     with ProgressBars(progress and rank == 0, time_remaining=True, label_width=22) as bars:
         runs = {s.name: bars.add(s.name, total=s.steps) for s in specs}
@@ -222,6 +240,31 @@ def speed_figures(results: list[RunResult]) -> dict:
     }
 
 
+# forward/backward passes of the initial model that the automatic policy's profile takes
+AUTO_POLICY_PASSES = 4
+
+
+def with_automatic_policies(
+    config: CompareConfig, specs: list[RunSpec], base_model, data: TokenizedData, model_info: dict
+) -> list[RunSpec]:
+    """--policy auto: profile the initial model on the first batches (mixprec.sensitivity), and give every
+    quantizing recipe's run the policy that keeps its layers beyond the thresholds in bf16. The kept
+    layers and why go to model_info["automatic_policy"] (summary.json's `model`, and the report)."""
+    recipes = [r for r in config.recipes if is_quantizing(from_name(r))]
+    if not recipes:
+        return specs
+    batches = [train_batch(data, config.batch_size, step, config.seed) for step in range(AUTO_POLICY_PASSES)]
+    profile = profile_model(base_model, batches, recipes=recipes, device=config.device)
+    limits = Limits(saturation=config.thresholds["saturation"], underflow=config.thresholds["underflow"])
+    policies = {r: automatic_policy(profile, r, limits) for r in recipes}
+    model_info["automatic_policy"] = {
+        "passes": profile.passes,
+        "seconds": profile.seconds,
+        "policies": {r: p.to_dict() for r, p in policies.items()},
+    }
+    return [replace(s, policy=policies[s.recipe].policy) if s.recipe in policies else s for s in specs]
+
+
 def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) -> None:
     outdir.write_jsonl(
         out / "metrics.jsonl", [json_safe({"schema_version": METRICS_SCHEMA_VERSION, **r}) for r in records]
@@ -229,7 +272,11 @@ def write_artefacts(out: Path, summary: ComparisonSummary, records: list[dict]) 
     summary.out_dir = str(out)
     summary.report_path = str(out / "report.html")
     write_text_atomic(out / "summary.json", json.dumps(summary.to_dict(), indent=1))
-    write_html_report(out, "mixprec compare", compare_sections(summary, records), subtitle=summary.machine)
+    sections = compare_sections(summary, records)
+    auto = summary.model.get("automatic_policy")
+    if auto:  # --policy auto: the layers each FP8 recipe kept in bf16, and why
+        sections.append(policy_section(list(auto["policies"].values())))
+    write_html_report(out, "mixprec compare", sections, subtitle=summary.machine)
 
 
 __all__ = ["CompareConfig", "ComparisonSummary", "compare", "load_inputs", "run_specs", "write_artefacts"]

@@ -40,6 +40,7 @@ from mixprec.errors import MixprecError
 from mixprec.files import atomic_file
 from mixprec.models import lm_loss
 from mixprec.monitor import PrecisionMonitor
+from mixprec.recipes import from_name
 from mixprec.training import (
     advance_scaling_state,
     clip_grad_norm_,
@@ -48,6 +49,7 @@ from mixprec.training import (
     make_grad_scaler,
 )
 from mixprec.training.optim import AdamW
+from mixprec.training.policy import Policy
 
 CHECKPOINT_FORMAT = 1
 
@@ -70,6 +72,11 @@ class RunSpec:
     max_grad_norm: float | None = 1.0
     monitor: bool = True
     device: str = "cpu"
+    # a null run: the initial weights moved by one unit in the last place (of the recipe's own weight
+    # format) at random positions drawn from this seed, before conversion; None: the weights as given
+    perturb_seed: int | None = None
+    # the training policy (mixprec.training.Policy) the recipe converts with; None: the default policy
+    policy: Policy | None = None
 
 
 @dataclass
@@ -127,9 +134,41 @@ def evaluate_loss(model: nn.Module, val: torch.Tensor, batch_size: int) -> float
     return total / max(n, 1)
 
 
-def _convert(model: nn.Module, recipe: str) -> list[dict]:
+# share of weight elements a null run moves by one ulp (each up or down at random)
+PERTURBED_SHARE = 0.5
 
-    report = convert_for_training(model, recipe)
+
+@torch.no_grad()
+def perturb_weights(model: nn.Module, seed: int, ulp_dtype: torch.dtype) -> None:
+    """Move PERTURBED_SHARE of every parameter's non-zero elements by one ulp of `ulp_dtype`, up or down.
+
+    A rounding-level perturbation: the initial weights could as well have been rounded the other way,
+    so a run from these weights is as good as the original; how far the two runs drift apart is the
+    yardstick a precision change is read against. The same seed moves the same elements the same way.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        w = p.data
+        if not w.is_floating_point() or w.numel() == 0:
+            continue
+        chosen = torch.rand(w.shape, generator=generator) < PERTURBED_SHARE
+        upward = torch.rand(w.shape, generator=generator) < 0.5
+        wf = w.detach().float().cpu()
+        rounded = wf.to(ulp_dtype)  # the weight as that format holds it; its neighbours are one ulp away
+        up = torch.nextafter(rounded, torch.full_like(rounded, math.inf)).float()
+        down = torch.nextafter(rounded, torch.full_like(rounded, -math.inf)).float()
+        moved = torch.where(chosen & (wf != 0), torch.where(upward, up, down), wf)
+        w.copy_(moved.to(device=w.device, dtype=w.dtype))
+
+
+def ulp_dtype_of(recipe: str) -> torch.dtype:
+    """The weight format whose rounding a null run of `recipe` perturbs: fp32 for fp32, else bf16."""
+    return torch.float32 if from_name(recipe).kind == "fp32" else torch.bfloat16
+
+
+def _convert(model: nn.Module, recipe: str, policy: Policy | None = None) -> list[dict]:
+
+    report = convert_for_training(model, recipe, policy)
     entries = getattr(report, "entries", [])
     return [
         {"module": e.name, "precision": e.precision, "reason": e.reason}
@@ -211,7 +250,9 @@ def train_run(
 
     rank, world = _dist()
     model = copy.deepcopy(base_model).to(spec.device)
-    conversion = _convert(model, spec.recipe)
+    if spec.perturb_seed is not None:
+        perturb_weights(model, spec.perturb_seed, ulp_dtype_of(spec.recipe))
+    conversion = _convert(model, spec.recipe, spec.policy)
     state = conversion_state(model)
     loss_scaled = state is not None and state.kind == "fp16-amp"
     scaler = make_grad_scaler(model) if loss_scaled else None
@@ -334,6 +375,8 @@ def restore_trained_model(
 ) -> nn.Module:
     """The model of a finished single-process run, rebuilt from its final checkpoint (<run>.pt)."""
     model = copy.deepcopy(base_model).to(spec.device)
-    _convert(model, spec.recipe)
+    _convert(
+        model, spec.recipe, spec.policy
+    )  # the checkpoint holds the (perturbed, trained) weights themselves
     model.load_state_dict(load_checkpoint(Path(checkpoint_path))["model"])
     return model

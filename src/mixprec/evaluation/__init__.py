@@ -4,6 +4,7 @@ Public entry: :func:`evaluate` (also importable as ``mixprec.evaluation.runner.e
 """
 
 from mixprec.evaluation.gates import GateResult, Gates, parse_memory_saving
+from mixprec.evaluation.intervals import Bootstrap
 from mixprec.evaluation.page import write_report
 from mixprec.evaluation.result import SCHEMA_VERSION, EvaluationResult
 from mixprec.evaluation.runner import TASKS, evaluate
@@ -11,6 +12,7 @@ from mixprec.evaluation.runner import TASKS, evaluate
 __all__ = [
     "SCHEMA_VERSION",
     "TASKS",
+    "Bootstrap",
     "EvaluationResult",
     "GateResult",
     "Gates",

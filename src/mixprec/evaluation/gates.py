@@ -1,11 +1,20 @@
-"""Pass/fail gates on the measured figures: quality drop, memory saved, speed-up."""
+"""Gates on the measured figures: quality drop, memory saved, speed-up — each a verdict of mixprec.verdicts.
+
+A quality gate reads the figure's confidence interval, not its point estimate: `equivalent` when the
+whole interval lies on the good side of the threshold, `worse` when it lies wholly on the bad side,
+`inconclusive` otherwise (with about how many samples would settle it). Memory is counted, not sampled,
+and the speed-up is one measurement: their gates compare the figure itself (equivalent or worse).
+A gate passes unless it is `worse`; under `strict`, only `equivalent` passes.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
 from mixprec.errors import MixprecError
+from mixprec.verdicts import EQUIVALENT, INCONCLUSIVE, WORSE, Interval, decide, samples_to_settle
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -74,39 +83,90 @@ class Gates:
 class GateResult:
     name: str
     threshold: float
-    measured: float | None
-    passed: bool
+    measured: float | None  # the point estimate
+    passed: bool  # not worse (strict: equivalent)
     unit: str
+    verdict: str = EQUIVALENT  # mixprec.verdicts: equivalent | worse | inconclusive
+    bound: str = "at most"  # "at most" (the threshold is an upper bound) or "at least"
+    interval: dict | None = None  # the figure's confidence interval (Interval.to_dict), None when not sampled
+    samples_to_settle: int | None = (
+        None  # inconclusive only: about how many samples would settle it; -1: none
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def check_gates(gates: Gates, tasks: dict, memory: dict, throughput: dict) -> list[GateResult]:
-    """Compare every active gate with the measured figures."""
+def judge(
+    name: str, threshold: float, measured: float | None, interval: Interval | None, unit: str, *,
+    at_least: bool, strict: bool = False, sampled: bool = False,
+) -> GateResult:  # fmt: skip
+    """One gate's verdict: from the interval when there is one, else from the figure itself. A `sampled`
+    figure without an interval (one sample: no spread to resample) is inconclusive."""
+    bound = "at least" if at_least else "at most"
+    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+        return GateResult(name, threshold, measured, False, unit, WORSE, bound)  # not measured: fails
+    settle = None
+    if interval is None and sampled:
+        verdict = INCONCLUSIVE
+    elif interval is None:
+        ok = measured >= threshold if at_least else measured <= threshold
+        verdict = EQUIVALENT if ok else WORSE
+    else:
+        # an "at least" bound is an "at most" bound on the negated figure
+        oriented = (
+            Interval(-interval.estimate, -interval.high, -interval.low, interval.level, interval.samples)
+            if at_least
+            else interval
+        )
+        limit = -threshold if at_least else threshold
+        verdict = decide(oriented.low, oriented.high, upper=limit)
+        settle = samples_to_settle(oriented, upper=limit)
+    passed = verdict == EQUIVALENT or (verdict == INCONCLUSIVE and not strict)
+    return GateResult(name, threshold, measured, passed, unit, verdict, bound,
+                      None if interval is None else interval.to_dict(), settle)  # fmt: skip
+
+
+def check_gates(
+    gates: Gates, tasks: dict, memory: dict, throughput: dict, intervals: dict | None = None,
+    *, strict: bool = False,
+) -> list[GateResult]:  # fmt: skip
+    """Every active gate's verdict. `intervals`: task -> figure -> Interval (mixprec.verdicts)."""
+    intervals = intervals or {}
     results: list[GateResult] = []
 
-    def add(name: str, threshold: float, measured: float | None, ok: bool, unit: str) -> None:
-        results.append(GateResult(name, threshold, measured, bool(measured is not None and ok), unit))
+    def quality(name: str, task: str, figure: str, threshold: float, unit: str, at_least: bool) -> None:
+        interval = intervals.get(task, {}).get(figure)
+        measured = tasks[task][figure]
+        results.append(
+            judge(name, threshold, measured, interval, unit, at_least=at_least, strict=strict, sampled=True)
+        )
 
     if gates.max_ppl_increase is not None:
         t = parse_fraction(gates.max_ppl_increase, "--max-ppl-increase")
-        m = tasks["lm"]["perplexity_relative_change"]
-        add("max_ppl_increase", t, m, m <= t, "relative")
+        quality("max_ppl_increase", "lm", "perplexity_relative_change", t, "relative", False)
     if gates.min_bleu is not None:
-        m = tasks["generate"]["bleu"]
-        add("min_bleu", float(gates.min_bleu), m, m >= float(gates.min_bleu), "BLEU 0-100")
+        quality("min_bleu", "generate", "bleu", float(gates.min_bleu), "BLEU 0-100", True)
     if gates.min_cosine is not None:
-        m = tasks["embed"]["cosine_mean"]
-        add("min_cosine", float(gates.min_cosine), m, m >= float(gates.min_cosine), "cosine")
+        quality("min_cosine", "embed", "cosine_mean", float(gates.min_cosine), "cosine", True)
     if gates.min_memory_saving is not None:
         t, kind = parse_memory_saving(gates.min_memory_saving)
         m = memory["weight_saving_bytes"] if kind == "bytes" else memory["weight_saving_fraction"]
-        add("min_memory_saving", t, m, m is not None and m >= t, kind)
+        results.append(judge("min_memory_saving", t, m, None, kind, at_least=True, strict=strict))
     if gates.min_speedup is not None:
         m = throughput.get("speedup")
-        add("min_speedup", float(gates.min_speedup), m, m is not None and m >= float(gates.min_speedup), "x")
+        results.append(
+            judge("min_speedup", float(gates.min_speedup), m, None, "x", at_least=True, strict=strict)
+        )
     return results
 
 
-__all__ = ["GATE_TASK", "GateResult", "Gates", "check_gates", "parse_fraction", "parse_memory_saving"]
+__all__ = [
+    "GATE_TASK",
+    "GateResult",
+    "Gates",
+    "check_gates",
+    "judge",
+    "parse_fraction",
+    "parse_memory_saving",
+]

@@ -54,6 +54,21 @@ def weight_bytes_in_memory(model: nn.Module) -> int:
     return total
 
 
+def tensor_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
+    """Bytes of every distinct tensor the model holds, per dtype ("float8_e4m3fn": 1234, ...)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, int] = {}
+    for module in model.modules():
+        for t in _tensors_of(module):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if t.device.type == "meta" or key in seen:
+                continue
+            seen.add(key)
+            name = str(t.dtype).replace("torch.", "")
+            out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    return dict(sorted(out.items()))
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far, as the OS reports it."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -84,6 +99,7 @@ __all__ = [
     "peak_cuda_bytes",
     "peak_rss_bytes",
     "reset_peak_cuda",
+    "tensor_bytes_by_dtype",
     "weight_bytes_in_memory",
     "weight_bytes_on_disk",
 ]

@@ -41,6 +41,12 @@ class LMAccumulator:
     kl_max: float = 0.0
     ref_sample_nll: list[float] = field(default_factory=list)  # mean NLL per sample, for plots
     cand_sample_nll: list[float] = field(default_factory=list)
+    # per block (sample) sums: the bootstrap resamples blocks, so every figure is rebuilt from these
+    block_ref_nll: list[float] = field(default_factory=list)
+    block_cand_nll: list[float] = field(default_factory=list)
+    block_tokens: list[int] = field(default_factory=list)
+    block_top1: list[int] = field(default_factory=list)
+    block_kl: list[float] = field(default_factory=list)
 
     def add(self, ref_logits: torch.Tensor, cand_logits: torch.Tensor, input_ids: torch.Tensor) -> None:
         """Logits [B, T, V] of both models on input_ids [B, T]; position t predicts token t + 1."""
@@ -61,6 +67,17 @@ class LMAccumulator:
         self.kl_max = max(self.kl_max, float(kl.max()))
         self.ref_sample_nll += ref_nll.mean(-1).tolist()
         self.cand_sample_nll += cand_nll.mean(-1).tolist()
+        self.block_ref_nll += ref_nll.sum(-1).tolist()
+        self.block_cand_nll += cand_nll.sum(-1).tolist()
+        self.block_tokens += [targets.shape[1]] * targets.shape[0]
+        self.block_top1 += (ref.argmax(-1) == cand.argmax(-1)).sum(-1).tolist()
+        self.block_kl += kl.sum(-1).tolist()
+
+    def per_block(self) -> dict[str, torch.Tensor]:
+        """The per-block sums (fp64) that every summary figure is a function of."""
+        names = {"reference_nll": self.block_ref_nll, "candidate_nll": self.block_cand_nll,
+                 "tokens": self.block_tokens, "top1_matches": self.block_top1, "kl": self.block_kl}  # fmt: skip
+        return {k: torch.tensor(v, dtype=torch.float64) for k, v in names.items()}
 
     def summary(self) -> dict:
         if self.tokens == 0:
@@ -88,6 +105,41 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
     if len(hypotheses) != len(references):
         raise MixprecError(f"{len(hypotheses)} hypotheses for {len(references)} references")
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+def bleu_statistics(hypotheses: list[str], references: list[str]) -> dict[str, torch.Tensor]:
+    """Per-sentence BLEU sufficient statistics (sacrebleu, same tokenization as `bleu`), fp64 [n] each:
+    `sys_len`, `ref_len`, `correct_1..4`, `total_1..4`. Their sums give corpus BLEU (`bleu_of_statistics`):
+    sacrebleu sums exactly these to score a corpus, so resampling sentences is Koehn's (2004) bootstrap."""
+    try:
+        from sacrebleu.metrics import BLEU
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise MixprecError("BLEU needs sacrebleu: pip install 'mixprec[eval]'") from err
+    scorer = BLEU(effective_order=True)  # effective_order changes sentence scores only, not the counts
+    rows = [scorer.sentence_score(h, [r]) for h, r in zip(hypotheses, references)]
+    out = {"sys_len": [s.sys_len for s in rows], "ref_len": [s.ref_len for s in rows]}
+    for n in range(BLEU_ORDER):
+        out[f"correct_{n + 1}"] = [s.counts[n] for s in rows]
+        out[f"total_{n + 1}"] = [s.totals[n] for s in rows]
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in out.items()}
+
+
+BLEU_ORDER = 4
+BLEU_STATISTICS = ("sys_len", "ref_len", *(f"{k}_{n}" for k in ("correct", "total") for n in range(1, 5)))
+
+
+def bleu_of_statistics(*stats: torch.Tensor) -> torch.Tensor:
+    """Statistic for mixprec.verdicts.paired_bootstrap: corpus BLEU per row of per-sentence statistics
+    [B, n] given in the order of BLEU_STATISTICS, scored by sacrebleu itself (its default corpus smoothing)."""
+    from sacrebleu.metrics import BLEU
+
+    totals = torch.stack([s.sum(dim=-1) for s in stats], dim=-1).round().long().tolist()  # [B, 10]
+    scores = []
+    for row in totals:
+        sys_len, ref_len, counts = row[0], row[1], row[2:]
+        correct, total = counts[:BLEU_ORDER], counts[BLEU_ORDER:]
+        scores.append(BLEU.compute_bleu(correct, total, sys_len, ref_len, smooth_method="exp").score)
+    return torch.tensor(scores, dtype=torch.float64)
 
 
 def rouge_l(hypotheses: list[str], references: list[str]) -> list[float]:
@@ -122,8 +174,11 @@ def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "BLEU_STATISTICS",
     "LMAccumulator",
     "bleu",
+    "bleu_of_statistics",
+    "bleu_statistics",
     "cosine_per_sample",
     "mean_pool",
     "next_token_kl",

@@ -12,17 +12,17 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.evaluation.memory import weight_bytes_in_memory, weight_bytes_on_disk
+from mixprec.evaluation.inputs import ARCH_KEYS
+from mixprec.evaluation.memory import tensor_bytes_by_dtype, weight_bytes_in_memory, weight_bytes_on_disk
 from mixprec.hf import load_model, model_kind, read_config, vocab_size
+from mixprec.inference.layouts import parse_quantization_config
 from mixprec.inference.load import load_quantized
 from mixprec.inference.online import quantize_model_
+from mixprec.inference.scales_file import find_scales_file
 from mixprec.kernels.hardware import detect
 from mixprec.training import bf16_cpu
 
 CANDIDATE_SCHEMES = ("fp8-dynamic", "fp8-static", "fp8-block", "bf16")
-
-# Architecture facts that must agree between reference and candidate.
-_ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Side:
 
     model: nn.Module
     source: str
-    kind: str  # "causal-lm" or "encoder"
+    kind: str  # "causal-lm", "encoder" or "image-text"
     directory: Path | None = None
     scheme: str | None = None
     info: dict = field(default_factory=dict)
@@ -47,6 +47,8 @@ class Side:
             "class": type(self.model).__name__,
             "model_type": getattr(cfg, "model_type", None),
             "parameter_dtypes": dtypes,
+            # every tensor the model holds (FP8 payloads and scales are buffers or attributes, not parameters)
+            "tensor_bytes_by_dtype": tensor_bytes_by_dtype(self.model),
             "weight_bytes_disk": weight_bytes_on_disk(self.directory),
             "weight_bytes_memory": weight_bytes_in_memory(self.model),
             **self.info,
@@ -67,12 +69,28 @@ def load_dir(directory: str | os.PathLike, role: str) -> Side:
     d = Path(directory)
     cfg = read_config(d, role=f"{role} model")
     kind = model_kind(cfg)
+    scheme, info = None, {}
     if cfg.get("quantization_config"):
+        scheme, info["checkpoint_layout"] = checkpoint_scheme(cfg["quantization_config"], d / "config.json")
         model = load_quantized(d)
+    elif role == "candidate" and find_scales_file(d) is not None:
+        # high-precision weights with model.fp8_scales.json beside them: quantized with those scales
+        # (load_quantized checks the file first; a corrupt one is an error naming it and where)
+        model = load_quantized(d)
+        scheme = next((e["scheme"] for e in model.mixprec_report.layers.values()), None)
+        info["checkpoint_layout"] = "scales-file"
     else:
         model = load_model(d, head=kind, role=f"{role} model")
     model.eval()
-    return Side(model, str(d), kind, directory=d)
+    return Side(model, str(d), kind, directory=d, scheme=scheme, info=info)
+
+
+def checkpoint_scheme(quantization_config: dict, where: str | os.PathLike) -> tuple[str, str]:
+    """(scheme, layout) a checkpoint's quantization_config describes: "fp8-dynamic" and
+    "compressed-tensors", say; several groups of different schemes are joined with "+"."""
+    spec = parse_quantization_config(quantization_config, str(where))
+    names = dict.fromkeys(layout.as_scheme().name for _, layout in spec.groups)
+    return "+".join(names), spec.layout
 
 
 def as_side(obj: str | os.PathLike | nn.Module, role: str) -> Side:
@@ -135,7 +153,7 @@ def check_compatible(
 ) -> None:
     """Refuse comparisons that make no sense: different architectures or vocabularies."""
     a, b = _config_dict(reference.model), _config_dict(candidate.model)
-    for key in _ARCH_KEYS:
+    for key in ARCH_KEYS:
         if key in a and key in b and a[key] != b[key]:
             raise MixprecError(
                 f"architecture mismatch: reference {reference.source} has {key}={a[key]!r}, "
@@ -163,6 +181,7 @@ __all__ = [
     "Side",
     "as_side",
     "check_compatible",
+    "checkpoint_scheme",
     "derive_candidate",
     "load_dir",
 ]

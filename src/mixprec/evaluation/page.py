@@ -21,6 +21,10 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _interval(interval: dict | None) -> str:
+    return "-" if not interval else f"[{_fmt(interval['low'])}, {_fmt(interval['high'])}]"
+
+
 def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
     """(file name, caption, PNG bytes)."""
     plt = pyplot()
@@ -54,6 +58,7 @@ def _plots(result: EvaluationResult) -> list[tuple[str, str, bytes]]:
     for key, title in (
         ("embed.cosine", "cosine similarity per sample"),
         ("generate.rouge_l", "ROUGE-L per prompt"),
+        ("clip.image_cosine", "image embedding cosine (reference vs candidate) per pair"),
     ):
         if key in ps:
             fig, ax = plt.subplots(figsize=(5, 3))
@@ -69,17 +74,20 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     result.write_json(out / "evaluation.json")
     gates = table_html(
-        ["gate", "threshold", "unit", "measured", "verdict"],
-        [[g.name, _fmt(g.threshold), g.unit, _fmt(g.measured), "pass" if g.passed else "FAIL"] for g in result.gates],
+        ["gate", "threshold", "unit", "measured", "interval", "verdict", "pass"],
+        [[g.name, f"{g.bound} {_fmt(g.threshold)}", g.unit, _fmt(g.measured), _interval(g.interval),
+          g.verdict + (f" (about {g.samples_to_settle} samples would settle it)" if g.samples_to_settle else ""),
+          "pass" if g.passed else "FAIL"] for g in result.gates],
         ["pass" if g.passed else "fail" for g in result.gates],
     ) if result.gates else paragraph("No gate was set.")  # fmt: skip
-    rows = [[task, k, _fmt(v)] for task, figs in result.tasks.items() for k, v in figs.items()
-            if k not in ("throughput", "examples")]  # fmt: skip
-    rows += [["memory", k, _fmt(v)] for k, v in result.memory.items()]
-    rows += [["throughput", k, _fmt(v)] for k, v in result.throughput.items()]
+    rows = [[task, k, _fmt(v), _interval(figs.get("intervals", {}).get(k))] for task, figs in result.tasks.items()
+            for k, v in figs.items() if k not in ("throughput", "examples", "intervals")]  # fmt: skip
+    rows += [["memory", k, _fmt(v), ""] for k, v in result.memory.items()]
+    rows += [["throughput", k, _fmt(v), ""] for k, v in result.throughput.items()]
+    level = result.settings.get("bootstrap", {}).get("level", 0.95)
     sections = [
         Section("Gates", gates),
-        Section("Figures", table_html(["task", "figure", "value"], rows)),
+        Section("Figures", table_html(["task", "figure", "value", f"{level:.0%} interval"], rows)),
     ]
     if "generate" in result.tasks:
         ex = result.tasks["generate"].get("examples", [])
@@ -98,7 +106,8 @@ def write_report(result: EvaluationResult, out_dir: str | os.PathLike) -> Path:
         sections.append(Section("Warnings", "".join(paragraph(w) for w in result.warnings)))
     subtitle = (
         f"{'PASSED' if result.passed else 'FAILED'} - reference {result.reference['source']}, candidate "
-        f"{result.candidate['source']}, data {result.data['source']} ({result.data['samples_used']} samples); "
+        f"{result.candidate['source']} (scheme {result.candidate.get('scheme') or '-'}), data "
+        f"{result.data['source']} ({result.data['samples_used']} samples); "
         f"{result.machine['description']}"
     )
     return write_html_report(out, "mixprec evaluate", sections, subtitle=subtitle)

@@ -9,7 +9,8 @@ from pathlib import Path
 from mixprec.evaluation.gates import GateResult
 from mixprec.files import write_json_atomic
 
-SCHEMA_VERSION = 1
+# 2: confidence intervals and gate verdicts, one text sample per line, the clip task
+SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -29,7 +30,7 @@ class EvaluationResult:
 
     @property
     def passed(self) -> bool:
-        """True when every gate passed (and trivially when no gate was set)."""
+        """True when no gate is `worse` (under strict: every gate `equivalent`); true when no gate was set."""
         return all(g.passed for g in self.gates)
 
     def to_dict(self) -> dict:

@@ -1,4 +1,6 @@
-"""The three evaluation tasks. Each runs both models on the same samples, batch by batch, and times them."""
+"""The text evaluation tasks (lm, generate, embed; clip lives in clip.py). Each runs both models on the
+same samples, batch by batch, times them, and returns its figures with the per-sample quantities its
+confidence intervals are drawn from (mixprec.evaluation.intervals)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mixprec.evaluation.metrics import LMAccumulator, bleu, cosine_per_sample, mean_pool, rouge_l
+from mixprec.evaluation.metrics import (
+    LMAccumulator,
+    bleu,
+    bleu_statistics,
+    cosine_per_sample,
+    mean_pool,
+    rouge_l,
+)
 from mixprec.evaluation.samples import pad_batch
 from mixprec.evaluation.throughput import Throughput
 from mixprec.hf import Tokenizer
@@ -73,6 +82,7 @@ def run_lm(ref: nn.Module, cand: nn.Module, blocks: torch.Tensor, batch_size: in
         acc.add(ref_logits, cand_logits, ids)  # on the device: no vocab-sized copies to the host
         advance(ids.shape[0])
     per_sample = {"reference_nll": acc.ref_sample_nll, "candidate_nll": acc.cand_sample_nll}
+    per_sample.update({f"block_{k}": v.tolist() for k, v in acc.per_block().items()})
     return acc.summary(), tp.summary("lm: forward tokens/s"), per_sample
 
 
@@ -98,42 +108,59 @@ def greedy(model: nn.Module, prompts: torch.Tensor, new_tokens: int, pad_id: int
     return ids[:, prompts.shape[1] :]
 
 
-def run_generate(ref: nn.Module, cand: nn.Module, prompts: torch.Tensor, tok: Tokenizer, new_tokens: int,
+def length_groups(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices batched by equal length (shortest first): prompts of one batch need no padding, so a plain
+    module without an attention mask generates from them exactly as a padded HF model would."""
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
+    return [idx[s : s + batch_size] for n in sorted(by_length) for idx in [by_length[n]]
+            for s in range(0, len(idx), batch_size)]  # fmt: skip
+
+
+def run_generate(ref: nn.Module, cand: nn.Module, prompts: list[list[int]], tok: Tokenizer, new_tokens: int,
                  batch_size: int, device: torch.device, advance: Advance) -> tuple[dict, dict, dict]:  # fmt: skip
-    """Greedy continuations by both; BLEU and ROUGE-L with the reference's outputs as references."""
+    """Greedy continuations by both of every prompt (token lists, any lengths); BLEU and ROUGE-L with the
+    reference's outputs as references."""
     tp = Throughput()
-    warm = prompts[:batch_size].to(device)
+    groups = length_groups([len(p) for p in prompts], batch_size)
+    warm = torch.tensor([prompts[i] for i in groups[0]], dtype=torch.int64).to(device)
     greedy(ref, warm, 2, tok.pad_id), greedy(cand, warm, 2, tok.pad_id)
-    ref_ids, cand_ids = [], []
-    for i, sl in enumerate(_batches(prompts.shape[0], batch_size)):
-        p = prompts[sl].to(device)
+    ref_ids: list[list[int]] = [[] for _ in prompts]
+    cand_ids: list[list[int]] = [[] for _ in prompts]
+    for i, idx in enumerate(groups):
+        p = torch.tensor([prompts[j] for j in idx], dtype=torch.int64).to(device)
         r, c = _timed_pair(
             i, tp, p.shape[0] * new_tokens, device, ref, cand, greedy, p, new_tokens, tok.pad_id
         )
-        ref_ids += r.cpu().tolist()
-        cand_ids += c.cpu().tolist()
+        for j, rr, cc in zip(idx, r.cpu().tolist(), c.cpu().tolist()):
+            ref_ids[j], cand_ids[j] = rr, cc
         advance(p.shape[0])
     ref_text = [tok.decode(r) for r in ref_ids]
     cand_text = [tok.decode(c) for c in cand_ids]
     rouge = rouge_l(cand_text, ref_text)
-    same_tokens = sum(a == b for r, c in zip(ref_ids, cand_ids) for a, b in zip(r, c))
+    same = [sum(a == b for a, b in zip(r, c)) for r, c in zip(ref_ids, cand_ids)]
     total = sum(len(r) for r in ref_ids)
+    ref_words = [" ".join(map(str, r)) for r in ref_ids]
+    cand_words = [" ".join(map(str, c)) for c in cand_ids]
     figures = {
         "bleu": bleu(cand_text, ref_text),
         # BLEU over token ids (each id one "word"): defined whatever the detokenized text looks like.
-        "bleu_tokens": bleu(
-            [" ".join(map(str, c)) for c in cand_ids], [" ".join(map(str, r)) for r in ref_ids]
-        ),
+        "bleu_tokens": bleu(cand_words, ref_words),
         "rouge_l": sum(rouge) / len(rouge),
         "rouge_l_min": min(rouge),
-        "token_agreement": same_tokens / total if total else None,
+        "token_agreement": sum(same) / total if total else None,
         "identical_outputs": sum(r == c for r, c in zip(ref_ids, cand_ids)) / len(ref_ids),
         "prompts": len(ref_ids),
-        "prompt_tokens": int(prompts.shape[1]),
+        "prompt_tokens": int(max(len(p) for p in prompts)),
+        "prompt_tokens_min": int(min(len(p) for p in prompts)),
         "new_tokens": new_tokens,
         "examples": [{"reference": r, "candidate": c} for r, c in zip(ref_text[:3], cand_text[:3])],
     }
-    return figures, tp.summary("generate: new tokens/s (greedy, batch)"), {"rouge_l": rouge}
+    per_sample = {"rouge_l": rouge, "same_tokens": same, "new_tokens": [len(r) for r in ref_ids]}
+    for prefix, (hyp, refs) in (("bleu", (cand_text, ref_text)), ("bleu_tokens", (cand_words, ref_words))):
+        per_sample.update({f"{prefix}_{k}": v.tolist() for k, v in bleu_statistics(hyp, refs).items()})
+    return figures, tp.summary("generate: new tokens/s (greedy, batch)"), per_sample
 
 
 def run_embed(ref: nn.Module, cand: nn.Module, samples: list[list[int]], pad_id: int, batch_size: int,
@@ -158,4 +185,4 @@ def run_embed(ref: nn.Module, cand: nn.Module, samples: list[list[int]], pad_id:
     return figures, tp.summary("embed: forward tokens/s"), {"cosine": cosines}
 
 
-__all__ = ["greedy", "hidden_of", "logits_of", "run_embed", "run_generate", "run_lm"]
+__all__ = ["greedy", "hidden_of", "length_groups", "logits_of", "run_embed", "run_generate", "run_lm"]

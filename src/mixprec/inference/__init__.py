@@ -4,6 +4,7 @@ quantization of a loaded model, and loading FP8 checkpoints (mixprec, llm-compre
     mixprec.quantize_checkpoint(model_dir, out_dir, scheme="fp8-dynamic")   # `mixprec quantize`
     model = mixprec.load_quantized(out_dir)                                  # Linears run in FP8
     report = mixprec.quantize_model_(model, scheme="fp8-dynamic")            # online, in place
+    mixprec.save_quantized(model, out_dir)                                   # the layout quantize writes
 
 Names are imported lazily so `import mixprec.inference` stays cheap.
 """
@@ -17,6 +18,7 @@ _EXPORTS = {
     "load_quantized": "mixprec.inference.load:load_quantized",
     "quantize_model_": "mixprec.inference.online:quantize_model_",
     "quantize_checkpoint": "mixprec.inference.offline:quantize_checkpoint",
+    "save_quantized": "mixprec.inference.save:save_quantized",
     "InferenceScheme": "mixprec.inference.schemes:InferenceScheme",
     "SCHEMES": "mixprec.inference.schemes:SCHEMES",
     "DEFAULT_IGNORE": "mixprec.inference.schemes:DEFAULT_IGNORE",

@@ -6,12 +6,21 @@ Observers (what amax a static scale is built from):
   percentile  the mean over batches of the 99.99th percentile of |x| (clips rare outliers)
   mse         the clipping threshold, among fractions of the max, that minimises the mean squared
               FP8 quantization error over a bounded sample of the inputs (plus their largest values)
+
+When to stop (StopRule): calibration runs batch after batch until every observer's amax has changed by
+less than `tolerance` (relative) over the last `window` batches, once at least `min_tokens` tokens have
+been seen (rare outlier tokens arrive late: a short run can look settled before one shows), or until
+the batches run out (the cap, `--calib-samples`). The result says how many samples it used and why it
+stopped (CalibrationRun).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +123,10 @@ class Observer:
     def amax(self) -> float:
         raise NotImplementedError
 
+    def tracked(self) -> float:
+        """The value the stop rule watches after every batch: the amax, where that is cheap."""
+        return self.amax()
+
 
 class MaxObserver(Observer):
     def __init__(self) -> None:
@@ -162,6 +175,11 @@ class MseObserver(MaxObserver):
         idx = torch.randint(v.numel(), (min(self.sample_per_batch, v.numel()),), generator=self._gen)
         top = v.abs().topk(min(self.top_per_batch, v.numel())).indices
         self._samples.append(torch.cat([v[idx], v[top]]))
+
+    def tracked(self) -> float:
+        # its amax is a fraction of the running max chosen by a search over every sample kept so far:
+        # too dear to run after each batch, and the candidates it picks from move with the max
+        return self._max
 
     def amax(self) -> float:
         if not self._samples or self._max == 0:
@@ -230,7 +248,121 @@ def kv_attention_patch(model: nn.Module, kv_observers: dict[int, tuple[Observer,
     return undo
 
 
-def _run(model: nn.Module, batches: Iterable[Any], progress: Any = None) -> None:
+# ---------------------------------------------------------------------------------------------------
+# When to stop
+
+# Defaults (docs/quantize.md, "When calibration stops", has the measurement on SmolLM2-135M): a 2 %
+# scale change is a sixth of the 12.5 % between neighbouring E4M3 values at the top of the range; 4
+# batches of 4 sequences; at least 32 sequences of 512 tokens before the first chance to stop.
+DEFAULT_TOLERANCE = 0.02
+DEFAULT_WINDOW = 4
+DEFAULT_MIN_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Stop once every observer's amax changed by at most `tolerance` (relative to its current value)
+    over the last `window` batches, and at least `min_tokens` tokens were seen. tolerance=0 never
+    stops early (every batch runs: the cap decides)."""
+
+    tolerance: float = DEFAULT_TOLERANCE
+    window: int = DEFAULT_WINDOW
+    min_tokens: int = DEFAULT_MIN_TOKENS
+
+    def __post_init__(self) -> None:
+        if not (
+            isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0
+        ):
+            raise MixprecError(f"--calib-tolerance must be a finite number >= 0, got {self.tolerance!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise MixprecError(f"--calib-window must be a positive number of batches, got {self.window!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise MixprecError(f"--calib-min-tokens must be a whole number >= 0, got {self.min_tokens!r}")
+
+
+NEVER_STOP_EARLY = StopRule(tolerance=0.0, window=1, min_tokens=0)
+
+
+@dataclass
+class CalibrationRun:
+    """What a calibration ran and why it stopped (the quantize report's and scales file's `calibration`)."""
+
+    samples: int  # sequences run through the model
+    tokens: int
+    batches: int
+    samples_available: int  # the cap: sequences that were ready to run
+    stopped: str  # "converged" | "cap" (every available batch ran)
+    reason: str  # the same in words, with the figures
+    max_change: float | None  # largest relative amax change over the last window when it stopped
+    seconds: float
+    max_change_by_batch: list = field(default_factory=list)  # the same after every batch (None: too early)
+    rule: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Convergence:
+    """The stop rule applied to a stream of per-batch amax snapshots."""
+
+    def __init__(self, rule: StopRule, tracked: Callable[[], list[float]]):
+        self.rule, self.tracked = rule, tracked
+        self.history: deque[torch.Tensor] = deque(maxlen=rule.window + 1)
+        self.tokens = 0
+        self.max_change: float | None = None
+        self.trace: list[float | None] = []
+
+    def after_batch(self, tokens: int) -> bool:
+        """Record the batch; True when calibration may stop."""
+        self.tokens += tokens
+        now = torch.tensor(self.tracked(), dtype=torch.float64)
+        self.history.append(now)
+        then = self.history[0]
+        # too early, or observers still appearing (e.g. KV states of later layers)
+        if len(self.history) <= self.rule.window or now.numel() == 0 or then.shape != now.shape:
+            self.trace.append(None)
+            return False
+        # an observer that has seen nothing yet (0) has not settled: an unrouted MoE expert keeps running
+        change = torch.where(now > 0, (now - then).abs() / now.clamp_min(1e-30), torch.inf)
+        self.max_change = float(change.max())
+        self.trace.append(round(self.max_change, 6) if math.isfinite(self.max_change) else None)
+        return (
+            self.rule.tolerance > 0
+            and self.tokens >= self.rule.min_tokens
+            and self.max_change <= self.rule.tolerance
+        )
+
+
+def _batch_tokens(b: Any) -> tuple[int, int]:
+    """(samples, tokens) of one batch: token ids [batch, seq] are `batch` samples of `seq` tokens; a
+    float input [..., features] has one token per leading position (samples: its first dimension)."""
+    if isinstance(b, dict):
+        x = b.get("input_ids", next(iter(b.values()), None))
+    elif isinstance(b, (list, tuple)):
+        x = b[0] if b else None
+    else:
+        x = b
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return 1, 1
+    if not x.is_floating_point():
+        return (x.shape[0] if x.dim() > 1 else 1), x.numel()
+    lead = x.shape[:-1]
+    return (lead[0] if lead else 1), max(1, math.prod(lead))
+
+
+def _run(
+    model: nn.Module,
+    batches: Iterable[Any],
+    rule: StopRule,
+    tracked: Callable[[], list[float]],
+    progress: Any = None,
+) -> CalibrationRun:
+    started = time.perf_counter()
+    batches = list(batches) if not isinstance(batches, Sequence) else batches
+    available = sum(_batch_tokens(b)[0] for b in batches)
+    conv = _Convergence(rule, tracked)
+    samples = done = 0
+    stopped = "cap"
     with torch.no_grad():
         for b in batches:
             if isinstance(b, dict):
@@ -243,8 +375,30 @@ def _run(model: nn.Module, batches: Iterable[Any], progress: Any = None) -> None
                 raise MixprecError(
                     f"calibration batches must be tensors, dicts or tuples, got {type(b).__name__}"
                 )
+            rows, tokens = _batch_tokens(b)
+            samples, done = samples + rows, done + 1
             if progress is not None:
                 progress()
+            if conv.after_batch(tokens):
+                stopped = "converged"
+                break
+    change = "n/a" if conv.max_change is None else f"{conv.max_change:.2%}"
+    if stopped == "converged":
+        reason = (
+            f"converged: no amax changed by more than {rule.tolerance:.2%} over the last {rule.window} batches "
+            f"(largest change {change}) after {conv.tokens} tokens (at least {rule.min_tokens})"
+        )
+    else:
+        reason = (
+            f"cap: every available sample ran ({samples}; --calib-samples and the text bound it); "
+            f"largest amax change over the last {rule.window} batches {change}, tolerance {rule.tolerance:.2%}"
+        )
+    return CalibrationRun(
+        samples=samples, tokens=conv.tokens, batches=done, samples_available=available, stopped=stopped,
+        reason=reason,
+        max_change=conv.max_change if conv.max_change is not None and math.isfinite(conv.max_change) else None, seconds=round(time.perf_counter() - started, 3),
+        rule=asdict(rule), max_change_by_batch=conv.trace,
+    )  # fmt: skip
 
 
 class NothingObserved(MixprecError):
@@ -257,6 +411,13 @@ class NothingObserved(MixprecError):
         self.module = module
 
 
+@dataclass
+class CalibrationResult:
+    input_amax: dict[str, float]  # Linear name -> input amax
+    kv_amax: dict[int, tuple[float, float]]  # layer index -> (key amax, value amax)
+    run: CalibrationRun
+
+
 def calibrate(
     model: nn.Module,
     batches: Iterable[Any],
@@ -264,9 +425,12 @@ def calibrate(
     *,
     observer: str = "max",
     kv_cache: bool = False,
+    stop: StopRule | None = None,
     progress: Any = None,
-) -> tuple[dict[str, float], dict[int, tuple[float, float]]]:
-    """Run `batches` through `model`; returns ({linear name: input amax}, {layer idx: (k amax, v amax)})."""
+) -> CalibrationResult:
+    """Run `batches` through `model` until the stop rule holds (default StopRule()) or they run out:
+    the observed amax of every Linear's input (and of keys and values with kv_cache), and the run."""
+    rule = StopRule() if stop is None else stop
     modules = dict(model.named_modules())
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     handles = []
@@ -285,10 +449,15 @@ def calibrate(
             raise MixprecError(
                 "--kv-cache fp8 needs a transformers attention model (key/value states to observe)"
             )
+
+    def tracked() -> list[float]:
+        kv = [o.tracked() for pair in kv_obs.values() for o in pair]
+        return [o.tracked() for o in observers.values()] + kv
+
     was_training = model.training
     model.eval()
     try:
-        _run(model, batches, progress)
+        run = _run(model, batches, rule, tracked, progress)
     finally:
         for h in handles:
             h.remove()
@@ -299,4 +468,5 @@ def calibrate(
     for n, a in amax.items():
         if a == 0:
             raise NothingObserved(n)
-    return amax, {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
+    kv_amax = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
+    return CalibrationResult(amax, kv_amax, run)

@@ -12,6 +12,7 @@ calibration set (samples x seq_len x hidden in the model dtype).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,14 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
-from mixprec.inference.calibration import MaxObserver, Observer, kv_attention_patch, make_observer
+from mixprec.inference.calibration import (
+    CalibrationResult,
+    CalibrationRun,
+    MaxObserver,
+    Observer,
+    kv_attention_patch,
+    make_observer,
+)
 from mixprec.inference.safetensors_io import Checkpoint, ShardReader
 
 
@@ -51,8 +59,11 @@ def calibrate_layerwise(
     observer: str = "max",
     kv_cache: bool = False,
     progress: Any = None,
-) -> tuple[dict[str, float], dict[int, tuple[float, float]], nn.Module]:
-    """Same results as `calibrate` on the whole model; returns (input amax, kv amax, skeleton)."""
+) -> tuple[CalibrationResult, nn.Module]:
+    """The results `calibrate` gives on the whole model with every batch run (no early stop: the
+    stop rule needs every layer's amax after each batch, and here block i sees batch k long after
+    block 0 did); returns (the result, the skeleton)."""
+    started = time.perf_counter()
     model = build_model(config, source=model_dir).eval()
     known = set(model.state_dict())
     unknown = [n for n in ckpt.tensors if n not in known]
@@ -124,7 +135,13 @@ def calibrate_layerwise(
                 f"calibration never saw a nonzero input for {n!r}; is the calibration data empty?"
             )
     kv = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
-    return amax, kv, model
+    samples, tokens = sum(len(b) for b in batches), sum(b.numel() for b in batches)
+    run = CalibrationRun(
+        samples=samples, tokens=tokens, batches=len(batches), samples_available=samples, stopped="cap",
+        reason=f"cap: layer-by-layer calibration runs every available sample ({samples}); it does not stop early",
+        max_change=None, seconds=round(time.perf_counter() - started, 3),
+    )  # fmt: skip
+    return CalibrationResult(amax, kv, run), model
 
 
 __all__ = ["MaxObserver", "calibrate_layerwise"]

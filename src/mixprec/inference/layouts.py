@@ -4,19 +4,37 @@ compressed-tensors package) and Hugging Face `quant_method: "fp8"` (fine-grained
 Writing: the `quantization_config` dict for config.json and the tensor names per layer.
 Reading: parse a config.json `quantization_config` into a `LayoutSpec` saying, per module, which
 scheme-like layout its tensors have, so the loader can rebuild FP8 Linears from any of the producers
-(mixprec, llm-compressor, Hugging Face fp8 checkpoints).
+(mixprec, llm-compressor, Hugging Face fp8 checkpoints, NVIDIA ModelOpt's FP8 algorithms).
+
+Inspect and convert use the layout-neutral description in layout_tables.py (every scheme a layout can
+hold, its tensor names, shapes and scale conventions); ModelOpt's algorithm names are defined here
+once (MODELOPT_ALGO_SCHEMES) and read there.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from mixprec.errors import MixprecError
-from mixprec.inference.schemes import InferenceScheme
+from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.scaling import Granularity
 from mixprec.select import matches
 
 LAYOUTS = ("compressed-tensors", "hf-fp8")
+# every layout `mixprec inspect` reads and `mixprec convert` writes
+CONVERT_LAYOUTS = ("compressed-tensors", "hf-fp8", "modelopt")
+MODELOPT_CONFIG_NAME = "hf_quant_config.json"
+# ModelOpt's quant_algo names for the schemes it shares with mixprec and compressed-tensors (its
+# modelopt/torch/export/quant_utils.py and convert_hf_config.py; vLLM's modelopt.py QUANT_ALGOS)
+MODELOPT_ALGO_SCHEMES = {
+    "FP8": "fp8-static",
+    "FP8_PER_CHANNEL_PER_TOKEN": "fp8-dynamic",
+    "FP8_PB_WO": "fp8-block",
+    "NVFP4": "nvfp4",
+    "W4A16_NVFP4": "nvfp4a16",
+}
 
 
 def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
@@ -173,9 +191,11 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
         ml = ModuleLayout(wg, ig, dynamic, "weight_scale_inv")
         ignore = tuple(qc.get("modules_to_not_convert") or ())
         return LayoutSpec("hf-fp8", ((("Linear",), ml),), ignore, False)
+    if str(method).lower().startswith("modelopt"):
+        return _modelopt_load_spec(qc, where)
     if method != "compressed-tensors":
         raise MixprecError(
-            f"{where}: quant_method {method!r} is not one mixprec loads (compressed-tensors or fp8)"
+            f"{where}: quant_method {method!r} is not one mixprec loads (compressed-tensors, fp8 or modelopt)"
         )
     groups = []
     for gname, group in (qc.get("config_groups") or {}).items():
@@ -196,3 +216,63 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
     return LayoutSpec(
         "compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()), bool(qc.get("kv_cache_scheme"))
     )
+
+
+def _modelopt_load_spec(qc: dict, where: str) -> LayoutSpec:
+    """A ModelOpt `quantization_config` (config.json, `quant_method: modelopt`) or hf_quant_config.json
+    ({"quantization": {...}}) as a LayoutSpec, for the algorithms that are mixprec FP8 schemes
+    (MODELOPT_ALGO_SCHEMES): FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO (vLLM runs its inputs dynamic per
+    1x128 group, as fp8-block). Tensor names are compressed-tensors' (`weight_scale`, `input_scale`);
+    only the scale shapes differ ((), (out,), (out/128, 1, in/128, 1)), which the loader reshapes by count."""
+    details = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = str(details.get("quant_algo") or "").upper()
+    ignore = tuple(details.get("exclude_modules") or qc.get("ignore") or ())
+    kv = bool(details.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"))
+    fp8 = {}
+    for name, scheme_name in MODELOPT_ALGO_SCHEMES.items():
+        s = SCHEMES.get(scheme_name)
+        if s is not None and scheme_name.startswith("fp8-"):  # the loader builds FP8 Linears only
+            fp8[name] = ModuleLayout(
+                s.weight_granularity, s.input_granularity, s.input_dynamic, "weight_scale"
+            )
+    if algo in fp8:
+        return LayoutSpec("modelopt", ((("Linear",), fp8[algo]),), ignore, kv)
+    if algo == "MIXED_PRECISION":
+        groups = []
+        for name, cfg in (details.get("quantized_layers") or {}).items():
+            sub = str((cfg or {}).get("quant_algo") or "").upper()
+            if sub not in fp8:
+                raise MixprecError(
+                    f"{where}: layer {name!r} is {sub or 'unnamed'}; mixprec loads ModelOpt's FP8 algorithms "
+                    f"({', '.join(fp8)}) only; `mixprec inspect` describes the checkpoint"
+                )
+            groups.append(((name,), fp8[sub]))
+        return LayoutSpec("modelopt", tuple(groups), ignore, kv)
+    raise MixprecError(
+        f"{where}: ModelOpt quant_algo {algo or 'missing'!r} is not one mixprec loads (it runs {', '.join(fp8)}); "
+        "`mixprec inspect` describes the checkpoint"
+    )
+
+
+def read_quantization_config(root: Path, config: dict) -> tuple[dict | None, Path]:
+    """(the checkpoint's quantization config, the file it came from): config.json's
+    `quantization_config`, else ModelOpt's hf_quant_config.json (older ModelOpt exports write only
+    that file; vLLM reads it too), else (None, config.json)."""
+    qc = config.get("quantization_config")
+    if qc is not None:
+        return qc, root / "config.json"
+    path = root / MODELOPT_CONFIG_NAME
+    if not path.exists():
+        return None, root / "config.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise MixprecError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict):
+        raise MixprecError(f"{path}: expected an object with a 'quantization' object (ModelOpt's layout)")
+    return {**doc, "quant_method": "modelopt"}, path
+
+
+def ct_group_args(strategy: str, dynamic: bool, **extra) -> dict:
+    """The compressed-tensors QuantizationArgs (as JSON) of an 8-bit float weight or activation."""
+    return _ct_args(strategy, dynamic, **extra)

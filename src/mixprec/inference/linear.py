@@ -3,6 +3,10 @@ static per-tensor scale, and the GEMM through the shared seam `mixprec.gemm.scal
 
 It keeps exactly what a compressed-tensors checkpoint stores (`weight` payload, `weight_scale`,
 `input_scale`), as buffers named like the checkpoint tensors, so `state_dict()` round-trips.
+
+Casting the model (`.to(dtype)`, `.half()`, `.bfloat16()`, `.float()`) changes the compute and output
+dtype only: the FP8 payload and its float32 scales are the quantized model and keep their dtypes and
+bits (`_apply`); device moves move them.
 """
 
 from __future__ import annotations
@@ -57,6 +61,27 @@ class QuantizedLinear(nn.Module):
     ) -> QuantizedLinear:
         q, _ = quantize_weight(linear.weight.detach(), scheme, name=name, scale=weight_scale)
         return cls(q, linear.bias, scheme, input_scale=input_scale, out_dtype=linear.weight.dtype)
+
+    # ---- casts and moves -------------------------------------------------------------------------
+    _QUANTIZED_BUFFERS = ("weight", "weight_scale", "input_scale")
+    _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+    def _apply(self, fn, recurse=True):
+        """`nn.Module.to/half/float/cuda/...` end here: they hand every floating tensor to `fn`, which
+        would upcast the float8 payload (and round the scales). Where `fn` sends a tensor of the output
+        dtype says the target device and compute dtype; payload and scales only move to that device."""
+        probe = fn(torch.empty(0, dtype=self.out_dtype, device=self.weight.device))
+        kept = {k: self._buffers[k] for k in self._QUANTIZED_BUFFERS}
+        for k in kept:
+            self._buffers[k] = None  # nn.Module._apply skips None buffers
+        try:
+            super()._apply(fn, recurse)  # the bias and anything else follow the cast as usual
+        finally:
+            for k, t in kept.items():
+                self._buffers[k] = None if t is None else t.to(device=probe.device)
+        if probe.dtype in self._OUT_DTYPES:
+            self.out_dtype = probe.dtype
+        return self
 
     # ---- quantities --------------------------------------------------------------------------
     @property

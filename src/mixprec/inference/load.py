@@ -27,11 +27,17 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.hf import build_model, config_dtype, read_config
 from mixprec.inference.experts import unfuse_skeleton
-from mixprec.inference.layouts import LayoutSpec, ModuleLayout, parse_quantization_config
+from mixprec.inference.layouts import (
+    LayoutSpec,
+    ModuleLayout,
+    parse_quantization_config,
+    read_quantization_config,
+)
 from mixprec.inference.linear import QuantizedLinear
 from mixprec.inference.linear_weights import conversion_transforms, rename_key
 from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
 from mixprec.inference.scales_file import (
+    check_against_checkpoint,
     find_scales_file,
     input_scale_tensor,
     layer_entry,
@@ -54,8 +60,11 @@ def _scale_grid(scale: torch.Tensor, ml: ModuleLayout, shape: tuple[int, int], w
     return s.reshape(grid)
 
 
-def _spec_from_scales(doc: dict[str, Any]) -> LayoutSpec:
-    sch = InferenceScheme.from_name(doc.get("scheme", "fp8-dynamic"))
+def _spec_from_scales(doc: dict[str, Any], where: str) -> LayoutSpec:
+    try:
+        sch = InferenceScheme.from_name(doc.get("scheme", "fp8-dynamic"))
+    except MixprecError as e:
+        raise MixprecError(f"malformed scales file {where}: 'scheme': {e}") from None
     ml = ModuleLayout(sch.weight_granularity, sch.input_granularity, sch.input_dynamic, "weight_scale")
     names = tuple(doc["layers"])
     return LayoutSpec("scales-file", ((names, ml),), (), False)
@@ -97,17 +106,28 @@ def load_quantized(
     root = Path(path)
     ckpt = open_checkpoint(root)
     config = read_config(root)
-    cfg_path = root / "config.json"
 
+    # scales files are checked against the checkpoint's weights (names, shapes, scale counts) before
+    # anything is built or read: a wrong file is an error naming it and the key path
+    weight_shapes = {
+        n[: -len(".weight")]: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")
+    }
     file_doc, file_path = None, find_scales_file(root)
     if file_path is not None:
         file_doc = read_scales_file(file_path)
+        check_against_checkpoint(file_doc, str(file_path), weight_shapes)
     hand = normalize_hand_scales(scales) if scales is not None else None
-    qc = config.get("quantization_config")
+    hand_where = str(scales) if isinstance(scales, (str, os.PathLike)) else "scales="
+    if hand is not None:
+        check_against_checkpoint(hand, hand_where, weight_shapes)
+    qc, qc_path = read_quantization_config(root, config)  # config.json, else ModelOpt's hf_quant_config.json
     if qc is not None:
-        spec = parse_quantization_config(qc, str(cfg_path))
+        spec = parse_quantization_config(qc, str(qc_path))
     elif file_doc is not None or hand is not None:
-        spec = _spec_from_scales(file_doc or hand)  # a plain checkpoint + scales: quantize with them
+        # a plain checkpoint + scales: quantized online with them (the guide's "scales next to the model")
+        spec = _spec_from_scales(
+            *((file_doc, str(file_path)) if file_doc is not None else (hand, hand_where))
+        )
     else:
         raise MixprecError(
             f"{root} is not a quantized checkpoint (no quantization_config in config.json and no scales file); "
@@ -244,12 +264,22 @@ def load_quantized(
     if still_meta:
         raise MixprecError(f"{root}: tensors missing from the checkpoint: {', '.join(still_meta[:5])}"
                            + (f" and {len(still_meta) - 5} more" if len(still_meta) > 5 else ""))  # fmt: skip
+    # A copy of a buffer the model computes itself (BERT's embeddings.position_ids, which older
+    # transformers saved and `mixprec quantize` carries over) is not a lost tensor: no warning.
+    own_buffers = {n for n, _ in model.named_buffers()}
+    unexpected = [n for n in unexpected if n not in own_buffers]
     if unexpected:
         report.warn(
             f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}"
         )
     if file_path is not None:
-        report.notes.append(f"scales file found: {file_path.name}")
+        used = sum(1 for e in report.layers.values() if e["weight"].get("scale_source") == "scales file")
+        how = (
+            "applied: the high-precision weights were quantized with its scales"
+            if spec.layout == "scales-file"
+            else f"checked against the checkpoint; {used} weight scales taken from it (the checkpoint's own are used first)"
+        )
+        report.notes.append(f"scales file {file_path.name}: {len(file_layers)} layers, {how}")
     model.to(device)
     model.eval()
     model.mixprec_report = report

@@ -34,6 +34,7 @@ from mixprec.hf import load_model, load_tokenizer, read_config
 from mixprec.inference import layouts
 from mixprec.inference.calibration import (
     NothingObserved,
+    StopRule,
     calibrate,
     load_texts,
     make_observer,
@@ -59,9 +60,10 @@ from mixprec.inference.schemes import (
     check_finite,
     quantize_weight,
     resolve_ignore,
+    serving_reasons,
     skip_reason,
 )
-from mixprec.progress import progress_bar
+from mixprec.progress import ProgressBars, progress_bar
 from mixprec.scaling import compute_scale
 from mixprec.select import selects_any
 
@@ -115,14 +117,25 @@ def quantize_checkpoint(
     calib_samples: int = 512,
     calib_seq_len: int = 512,
     observer: str = "max",
+    calib_stop: StopRule | None = None,
     format: str = "compressed-tensors",
     kv_cache: str | None = None,
     force: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     layer_by_layer: bool | None = None,
     progress: bool = True,
+    strict: bool = False,
 ) -> ConversionReport:
     """Quantize a local Hugging Face safetensors checkpoint to FP8; write it to output_dir atomically.
+
+    Only what the serving engines accept is written (schemes.serving_reasons): a Linear whose dims no
+    FP8 kernel takes, or a fused group (q/k/v, gate/up, experts) that vLLM would refuse, stays in high
+    precision and goes into the checkpoint's ignore list, with its reason in the report. strict: raise
+    MixprecError instead, before anything is read or written.
+
+    calib_stop (calibration only): when calibration may stop before `calib_samples` (the cap) have run
+    (default StopRule(): no input amax moved by more than 2 % over the last 4 batches, after 16384 tokens);
+    the report's and scales file's `calibration` say how many samples ran and why it stopped.
 
     layer_by_layer (calibration only): run the model one transformer block at a time (True), the
     whole model at once (False), or decide by memory (None: when the checkpoint exceeds half of the
@@ -159,12 +172,12 @@ def quantize_checkpoint(
     lw = find_linear_weights(ckpt, model_dir, config)
     if lw.warning:
         report.warn(lw.warning)
-    targets, skipped, kept = _select(lw, patterns)
+    targets, skipped, kept = _select(lw, patterns, sch, format, strict=strict)
     if not targets:
         report.warn(f"no Linear weight of {model_dir} is quantized (all ignored or none recognised)")
     unnamed = {n: why for n, (_, why) in kept.items() if why != "ignored by pattern"}
     if unnamed:
-        listed = "; ".join(f"{n}: {why}" for n, why in list(unnamed.items())[:3])
+        listed = "; ".join(f"{n}: {why.split(' (')[0]}" for n, why in list(unnamed.items())[:3])
         report.warn(
             f"{len(unnamed)} weight tensor(s) stay in high precision although no ignore pattern names them "
             f"(e.g. {listed}{'; ...' if len(unnamed) > 3 else ''}); the report lists each with its reason"
@@ -182,18 +195,21 @@ def quantize_checkpoint(
         if layer_by_layer:
             n_blocks = int(config.get("num_hidden_layers") or 0)
             with progress_bar(progress, "calibrating layer by layer", n_blocks or None) as advance:
-                input_amax, kv_amax, model = calibrate_layerwise(
+                result, model = calibrate_layerwise(
                     model_dir, config, ckpt, batches, names, observer=observer, kv_cache=bool(kv_cache),
                     progress=advance,
                 )  # fmt: skip
+            input_amax = result.input_amax
         else:
             model = load_model(model_dir, dtype="auto").eval()
             paths = _calibration_modules(model, names, lw)
             try:
-                with progress_bar(progress, "calibrating", len(batches)) as advance:
-                    by_path, kv_amax = calibrate(
+                # the bar's total is the cap; the stop rule usually ends it early (time left: to the cap)
+                with ProgressBars(progress, time_remaining=True) as bars:
+                    advance = bars.add("calibrating (stops once the scales settle)", len(batches)).advance
+                    result = calibrate(
                         model, batches, list(paths.values()), observer=observer, kv_cache=bool(kv_cache),
-                        progress=advance,
+                        stop=calib_stop, progress=advance,
                     )  # fmt: skip
             except NothingObserved as e:  # an unfused expert: name it as the checkpoint does, and say why
                 unseen = [n for n, p in paths.items() if p == e.module and p != n]
@@ -203,11 +219,13 @@ def quantize_checkpoint(
                     f"calibration routed no token to MoE expert weight {unseen[0]!r}: use more --calib-samples, "
                     "or keep it in high precision with --ignore"
                 ) from None
-            input_amax = {n: by_path[p] for n, p in paths.items()}
-        n_tokens = sum(b.numel() for b in batches)
-        calibration_info = {"data": str(calib_data), "samples": sum(len(b) for b in batches), "tokens": n_tokens,
-                            "seq_len": int(batches[0].shape[1]), "observer": observer}  # fmt: skip
+            input_amax = {n: result.input_amax[p] for n, p in paths.items()}
+        kv_amax = result.kv_amax
+        calibration_info = {"data": str(calib_data), "seq_len": int(batches[0].shape[1]), "observer": observer,
+                            "samples_requested": calib_samples, **result.run.to_dict()}  # fmt: skip
         calibration_info["layer_by_layer"] = bool(layer_by_layer)
+        report.calibration = calibration_info
+        report.notes.append(f"calibration: {result.run.samples} samples, {result.run.reason}")
         kv_names = {i: _attention_module_name(model, i) for i in kv_amax}
         del model
         gc.collect()
@@ -280,9 +298,10 @@ def quantize_checkpoint(
     return report
 
 
-def _select(lw: LinearWeights, patterns: Sequence[str]) -> tuple[dict[str, tuple[int, int]], dict[str, str], dict[str, tuple[str, str]]]:  # fmt: skip
+def _select(lw: LinearWeights, patterns: Sequence[str], sch: InferenceScheme, layout: str, *, strict: bool = False) -> tuple[dict[str, tuple[int, int]], dict[str, str], dict[str, tuple[str, str]]]:  # fmt: skip
     """(targets: Linears to quantize, skipped: the Linear modules a reader must leave alone (the
-    checkpoint's ignore list) with reasons, kept: every weight left in high precision -> (kind, reason))."""
+    checkpoint's ignore list) with reasons, kept: every weight left in high precision -> (kind, reason)).
+    strict: MixprecError when a Linear no ignore pattern names stays in high precision for a shape rule."""
     targets: dict[str, tuple[int, int]] = {}
     skipped: dict[str, str] = {}
     kept: dict[str, tuple[str, str]] = {}
@@ -293,6 +312,19 @@ def _select(lw: LinearWeights, patterns: Sequence[str]) -> tuple[dict[str, tuple
             kept[name] = ("Linear", why)
         else:
             targets[name] = (out_f, in_f)
+    for name, why in serving_reasons(sch, layout, lw.linears, skipped).items():
+        del targets[name]
+        skipped[name] = why
+        kept[name] = ("Linear", why)
+    if strict:
+        broken = {n: why for n, why in skipped.items() if n in lw.linears and why != "ignored by pattern"}
+        if broken:
+            name, why = next(iter(broken.items()))
+            raise MixprecError(
+                f"--strict: {len(broken)} Linear layer(s) would stay in high precision for the serving engines' "
+                f"shape rules, e.g. {name}: {why}; name them with --ignore to keep them in high precision, "
+                "or drop --strict"
+            )
     # tied heads: readers see the module, the checkpoint lacks its weight
     for name, why in lw.unstored.items():
         why = "ignored by pattern" if selects_any(name, patterns) else why

@@ -16,7 +16,7 @@ from torch import nn
 from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import calibrate, load_texts, token_batches
+from mixprec.inference.calibration import StopRule, calibrate, load_texts, token_batches
 from mixprec.inference.linear import QuantizedLinear
 from mixprec.inference.scales_file import layer_entry
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
@@ -73,14 +73,17 @@ def quantize_model_(
     calib_seq_len: int = 512,
     scales: dict[str, Any] | None = None,
     default_ignore: bool = True,
+    stop: StopRule | None = None,
 ) -> ConversionReport:
     """Quantize `model`'s Linears to FP8 in place and return a ConversionReport.
 
     scheme: "fp8-dynamic" | "fp8-static" | "fp8-block". ignore: extra module-name patterns kept in
     high precision (added to the defaults: lm_head, embeddings, norms, MoE routers). calib_data
     (fp8-static): an iterable of model inputs (input_ids tensors, dicts of kwargs, tuples), or a text
-    path with tokenizer=. scales: a validated scales document (see scales_file) whose weight/input
-    scales are used instead of computing them.
+    path with tokenizer=; calibration stops early once the input amax settle (`stop`, default
+    StopRule(); calib_samples is the cap) and `report.calibration` says how much it ran and why it
+    stopped. scales: a validated scales document (see scales_file) whose weight/input scales are used
+    instead of computing them.
     """
     sch = InferenceScheme.from_name(scheme)
     patterns = resolve_ignore(ignore, defaults=default_ignore)
@@ -104,8 +107,13 @@ def quantize_model_(
                     f"({len(missing)} layers lack them, e.g. {missing[0]!r})"
                 )
             batches = _calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len)
-            input_amax, _ = calibrate(model, batches, missing, observer=observer)
-            report.notes.append(f"calibrated {len(missing)} input scales with the {observer} observer")
+            result = calibrate(model, batches, missing, observer=observer, stop=stop)
+            input_amax = result.input_amax
+            report.calibration = {"observer": observer, **result.run.to_dict()}
+            report.notes.append(
+                f"calibrated {len(missing)} input scales with the {observer} observer on {result.run.samples} "
+                f"samples ({result.run.reason})"
+            )
 
     was_training = model.training
     for name in targets:
@@ -145,4 +153,5 @@ def quantize_model_(
     model.train(was_training)
     gc.collect()
     report.weight_bytes_after = weight_bytes(model)
+    model.mixprec_report = report  # as load_quantized does; save_quantized reads the layer statistics
     return report

@@ -1,9 +1,14 @@
 """model.fp8_scales.json: a readable record of every quantized layer and its scales.
 
-Written beside the weights by `quantize_checkpoint`; read back by `load_quantized` (which finds it by
-itself, also under the name fp8_scales.json) to fill in scales a checkpoint lacks, or given by hand
-through `scales=`. Schema: docs/schemas/fp8_scales.md. Scales are dequantization multipliers
+Written beside the weights by `quantize_checkpoint` and `save_quantized`; read back by `load_quantized`
+(which finds it by itself, also under the name fp8_scales.json) to fill in scales a checkpoint lacks, or
+to quantize a high-precision checkpoint it lies beside (online, with the file's scales), or given by
+hand through `scales=`. Schema: docs/schemas/fp8_scales.md. Scales are dequantization multipliers
 (value ≈ fp8 * scale) stored as the float32 values themselves (JSON floats round-trip them exactly).
+
+A file that is wrong in any way is refused before any work, naming the file and where in it: the line
+and column of bad JSON, or the key path (`layers['model.layers.0.mlp.up_proj'].weight.scale[3]`) of a
+bad value, a scale count that does not fit the layer's shape, or a layer the checkpoint does not have.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +25,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: calibration records samples used and why it stopped; relative_error may be null
 SCALES_NAMES = ("model.fp8_scales.json", "fp8_scales.json")
 
 
@@ -37,7 +43,7 @@ def layer_entry(
     weight_granularity: str,
     weight_scale: torch.Tensor,
     weight_amax: float,
-    relative_weight_error: float,
+    relative_weight_error: float | None,
     shape: tuple[int, int],
     input_scale: torch.Tensor | None = None,
     input_amax: float | None = None,
@@ -52,7 +58,8 @@ def layer_entry(
             "scale_shape": list(weight_scale.shape),
             "scale": weight_scale.float().flatten().tolist(),
             "amax": float(weight_amax),
-            "relative_error": float(relative_weight_error),
+            # None where the original weights are not at hand (a model saved after loading)
+            "relative_error": _finite_or_none(relative_weight_error),
         },
         "input": {"dynamic": bool(input_dynamic), "granularity": input_granularity},
     }
@@ -61,6 +68,10 @@ def layer_entry(
     if input_amax is not None:
         entry["input"]["amax"] = float(input_amax)
     return entry
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
 
 
 def build_document(
@@ -170,11 +181,78 @@ def read_scales_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise MixprecError(f"scales file {p} does not exist")
+    text = None
     try:
-        doc = json.loads(p.read_text())
+        text = p.read_text()
+        doc = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise _bad(str(p), f"not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except _NonStandardConstant as e:
+        at = text.find(str(e))
+        line, col = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+        raise _bad(
+            str(p),
+            f"not valid JSON at line {line} column {col}: {e} is not a JSON number "
+            "(scales must be positive finite numbers)",
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise _bad(str(p), f"not valid JSON ({e})") from None
     return validate_document(doc, str(p))
+
+
+class _NonStandardConstant(ValueError):
+    """NaN / Infinity / -Infinity: Python's json reads them, JSON has no such numbers."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NonStandardConstant(name)
+
+
+def _expected_scales(granularity: Any, shape: tuple[int, int]) -> int | None:
+    """How many weight scales a layer of `shape` has under a granularity name (tensor, row,
+    block<R>x<C>); None for a name this reader does not know (the count is then not checked)."""
+    if granularity in (None, "tensor"):
+        return 1 if granularity == "tensor" else None
+    if granularity == "row":
+        return shape[0]
+    m = re.fullmatch(r"block(\d+)x(\d+)", str(granularity))
+    if m is None:
+        return None
+    br, bc = int(m.group(1)), int(m.group(2))
+    return math.ceil(shape[0] / br) * math.ceil(shape[1] / bc)
+
+
+def check_against_checkpoint(doc: dict[str, Any], path: str, weights: dict[str, tuple[int, ...]]) -> None:
+    """The document's layers are the checkpoint's: every layer name has a stored 2-D weight
+    (`weights`: checkpoint module name -> weight shape), its `shape` is that weight's, and its weight
+    scales are as many as its granularity needs for that shape. Each failure names the key path."""
+    for name, e in doc.get("layers", {}).items():
+        where = f"layers[{name!r}]"
+        shape = weights.get(name)
+        if shape is None:
+            close = [n for n in weights if n.endswith(name.rpartition(".")[2])][:2]
+            hint = f" (e.g. {', '.join(close)})" if close else ""
+            raise _bad(path, f"{where}: the checkpoint has no Linear weight {name}.weight{hint}")
+        if len(shape) != 2:
+            raise _bad(path, f"{where}: {name}.weight has shape {list(shape)}, not a 2-D Linear weight")
+        if "shape" in e and e["shape"] != list(shape):
+            raise _bad(
+                path, f"{where}.shape is {e['shape']}, the checkpoint's {name}.weight is {list(shape)}"
+            )
+        w = e.get("weight")
+        if w and "scale" in w:
+            need = _expected_scales(
+                w.get("granularity") or ("tensor" if len(w["scale"]) == 1 else None), shape
+            )
+            if need is not None and need != len(w["scale"]):
+                raise _bad(
+                    path,
+                    f"{where}.weight.scale has {len(w['scale'])} values, a {w.get('granularity', 'tensor')} "
+                    f"scale of a {list(shape)} weight has {need}",
+                )
+    for name in doc.get("kv_cache", {}):
+        if not any(n.startswith(name + ".") for n in weights):
+            raise _bad(path, f"kv_cache[{name!r}]: the checkpoint has no module {name}")
 
 
 def weight_scale_tensor(entry: dict[str, Any]) -> torch.Tensor | None:

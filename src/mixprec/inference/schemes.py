@@ -10,7 +10,7 @@ scales whichever way it was quantized.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,14 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, check_float_tensor
 from mixprec.quantization import QuantizationStats, quantize_with_stats
 from mixprec.scaling import Granularity, QuantizedTensor
-from mixprec.select import check_pattern, fp8_dims_reason, selects_any
+from mixprec.select import (
+    check_pattern,
+    fp8_dims_reason,
+    fused_group_of,
+    fused_groups,
+    fused_shards,
+    selects_any,
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,88 @@ def skip_reason(name: str, out_features: int, in_features: int, ignore: Sequence
     if selects_any(name, ignore):
         return "ignored by pattern"
     return fp8_dims_reason(out_features, in_features)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shape rules of the engines that serve a checkpoint
+
+# The summary keys of the reasons below (ConversionReport.summary() groups at " ("): a test and the
+# docs name them.
+FUSED_BLOCK_RULE = "vLLM fp8-block: fused shard not a multiple of the block"
+PARTLY_QUANTIZED_RULE = "vLLM fuses it with a high-precision module"
+
+
+def fused_block_reason(
+    scheme: InferenceScheme, layout: str, fused: str, shard_out: Sequence[int], *, experts: bool = False
+) -> str | None:
+    """Why vLLM (one GPU) refuses block-quantized fused layer `fused` whose shards have output sizes
+    `shard_out` (in stacking order), or None when it loads it. experts: the shards are one MoE expert's
+    gate and up projections (w1, w3), part of a fused-experts layer.
+
+    Read from vLLM 0.32 (model_executor/layers/quantization/utils/fp8_utils.py):
+    `validate_fp8_block_shape` checks a merged Linear's output partitions: without tensor parallelism
+    every one but the last must be a multiple of block_n (the input dim and the last shard are checked
+    only under tensor parallelism). A layer of the Hugging Face `fp8` layout (its `Fp8Config` has
+    `weight_block_size`) whose shards are not all multiples sets `allow_fp8_block_shape_mismatch`
+    (layers/linear.py, `ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch`), which skips that
+    check; compressed-tensors' config has no `weight_block_size`, so its layers are checked.
+    `validate_fp8_block_shape_moe` needs the experts' intermediate size (gate's and up's out_features)
+    to be a multiple of block_n in both layouts.
+    """
+    gran = scheme.weight_granularity
+    block_n = gran.block_rows
+    if gran.block_cols in (None, 1) or block_n in (None, 1) or len(shard_out) < 2:
+        return None  # not a 2-D block scheme, or not a merged layer
+    if experts:
+        bad = [n for n in shard_out if n % block_n]
+        refusal = f"The output_size of gate's and up's weight = {bad[0] if bad else 0} is not divisible"
+    else:
+        if layout == "hf-fp8":
+            return None  # a mismatch switches the check off for this layout's layers
+        bad = [n for n in shard_out[:-1] if n % block_n]
+        refusal = f"Weight output_partition_size = {bad[0] if bad else 0} is not divisible"
+    if not bad:
+        return None
+    rule = "every shard" if experts else "every shard but the last"
+    return (
+        f"{FUSED_BLOCK_RULE} ({fused} stacks out_features {list(shard_out)}; {rule} must be a multiple of "
+        f"block_n={block_n}, vLLM refuses it: '{refusal} by weight quantization block_n = {block_n}')"
+    )
+
+
+def serving_reasons(
+    scheme: InferenceScheme,
+    layout: str,
+    linears: Mapping[str, tuple[int, int]],
+    kept: Mapping[str, str],
+) -> dict[str, str]:
+    """{Linear name: why it stays in high precision too}: the Linears that the shape rules of the engines
+    serving `layout` (vLLM) send back to high precision, on top of `kept` (already high precision, with
+    reasons). `linears`: every Linear of the checkpoint, name -> (out_features, in_features).
+
+    1. FP8 block: a fused layer whose shards break vLLM's block rule (`fused_block_reason`) stays in
+       high precision as a whole.
+    2. Fused groups (mixprec.select.fused_groups: q/k/v, gate/up, one MoE block's experts) share one
+       decision: vLLM refuses a fused layer whose shards are partly quantized ("Detected some but not
+       all shards of ... are quantized"), so one member in high precision keeps the whole group there.
+    """
+    extra: dict[str, str] = {}
+    for fused, shards in fused_shards(linears).items():
+        experts = fused_group_of(shards[0]) != fused  # one expert's w1/w3 inside a fused-experts layer
+        why = fused_block_reason(scheme, layout, fused, [linears[s][0] for s in shards], experts=experts)
+        if why:
+            extra.update({s: why for s in shards if s not in kept})
+    held = {**kept, **extra}
+    for group, members in fused_groups(linears).items():
+        first = next((m for m in members if m in held), None)
+        if first is None or all(m in held for m in members):
+            continue
+        why = (
+            f"{PARTLY_QUANTIZED_RULE} ({group}: {first} stays in high precision, {held[first].split(' (')[0]}; "
+            "vLLM refuses a fused layer whose shards are partly quantized)"
+        )
+        extra.update({m: why for m in members if m not in held})
+    return extra
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from mixprec.errors import MixprecError
-from mixprec.onnx.common import need_ort
+from mixprec.onnx.common import need_ort, run_session
 
 
 def _session(path: str | os.PathLike):
@@ -34,7 +34,8 @@ def check_fp8_onnx(
     }
     for feed in feeds:
         wanted = {i.name: feed[i.name] for i in a.get_inputs()}
-        ref_out, q_out = a.run(None, wanted), b.run(None, wanted)
+        ref_out = run_session(a, wanted, f"the original graph {original}")
+        q_out = run_session(b, wanted, "the FP8 graph")
         for n, r, q in zip(names, ref_out, q_out):
             r64, q64 = r.astype(np.float64), q.astype(np.float64)
             s = acc[n]

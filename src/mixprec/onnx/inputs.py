@@ -1,11 +1,15 @@
 """Inputs for calibrating and checking an ONNX graph: .npz arrays, text through a tokenizer, or synthetic.
 
 - `.npz`: one array per graph input name; the first axis is split into batches.
-- text (.txt, folder of .txt/.md, .jsonl with "text"): for a graph with one integer input (input_ids);
-  tokenized with --tokenizer DIR, or the tokenizer of the model the graph was exported from (export-onnx
-  records that directory in the graph's metadata).
-- synthetic (no data given, for the check only): integer inputs drawn uniformly from the vocabulary of
-  the embedding table they index (or 0..1), float inputs standard normal; batch 2, sequence 16.
+- text (.txt, folder of .txt/.md, .jsonl with "text"): for a graph whose inputs are `input_ids` and
+  optionally `attention_mask` (what export-onnx writes), or one integer input of any name; tokenized
+  with --tokenizer DIR, or the tokenizer of the model the graph was exported from (export-onnx records
+  that directory in the graph's metadata), into full blocks of seq_len tokens (mask all ones).
+- synthetic (no data given, for the check only): `attention_mask` all ones, other integer inputs drawn
+  uniformly from the vocabulary of the embedding table they index (or 0..1), float inputs standard
+  normal; batch 2, sequence 16.
+
+A .npz without an `attention_mask` array, for a graph that takes one, gets a mask of ones (no padding).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import numpy as np
 
 from mixprec.errors import MixprecError
 from mixprec.hf import lm_blocks, text_tokenizer
+from mixprec.onnx.common import MAX_POSITIONS_KEY
 from mixprec.texts import read_texts
 
 _INT_TYPES = {6: np.int32, 7: np.int64}  # onnx.TensorProto.INT32 / INT64
 _FLOAT_TYPES = {1: np.float32, 10: np.float16, 11: np.float64}
+MASK = "attention_mask"  # 1 = a real token, 0 = padding; all ones when the data has no padding
 
 
 def _graph_inputs(model) -> list:
@@ -45,14 +51,24 @@ def load_calib_inputs(
     p = Path(spec)
     if not p.exists():
         raise MixprecError(f"calibration data {p} does not exist")
-    if samples < 1 or seq_len < 2 or batch_size < 1:
-        raise MixprecError("--calib-samples >= 1, --calib-seq-len >= 2 and a batch size >= 1 are needed")
+    check_counts(samples, seq_len, batch_size)
     inputs = _graph_inputs(model)
+    mask_input = next((i for i in inputs if i.name == MASK), None)
+    positions = _metadata(model, MAX_POSITIONS_KEY)
+    if positions is not None and positions.isdigit() and p.suffix != ".npz" and seq_len > int(positions):
+        raise MixprecError(
+            f"--calib-seq-len {seq_len} is longer than the {positions} positions of the model this graph "
+            "was exported from"
+        )
     if p.suffix == ".npz":
         try:
             arrays = dict(np.load(p, allow_pickle=False))
         except Exception as exc:
             raise MixprecError(f"calibration data {p} is not a readable .npz file: {exc}") from None
+        if mask_input is not None and MASK not in arrays:
+            first = next((arrays[i.name] for i in inputs if i.name in arrays and i is not mask_input), None)
+            if first is not None and first.ndim == 2:
+                arrays[MASK] = np.ones(first.shape, dtype=_INT_TYPES.get(_elem_type(mask_input), np.int64))
         missing = [i.name for i in inputs if i.name not in arrays]
         if missing:
             raise MixprecError(
@@ -63,12 +79,13 @@ def load_calib_inputs(
         if n == 0:
             raise MixprecError(f"calibration data {p} holds no samples")
         return [{i.name: arrays[i.name][s : s + batch_size] for i in inputs} for s in range(0, n, batch_size)]
-    ints = [i for i in inputs if i.type.tensor_type.elem_type in _INT_TYPES]
-    if len(inputs) != 1 or len(ints) != 1:
+    ids_inputs = [i for i in inputs if i is not mask_input]
+    if len(ids_inputs) != 1 or any(_elem_type(i) not in _INT_TYPES for i in inputs):
         raise MixprecError(
-            f"text calibration data needs a graph with one integer input (input_ids); this one has "
+            f"text calibration data needs a graph whose inputs are input_ids (and {MASK}); this one has "
             f"{[i.name for i in inputs]}: give a .npz file with one array per input instead"
         )
+    ids_input = ids_inputs[0]
     source = tokenizer_dir or _metadata(model, "mixprec.source_model")
     if source is None:
         raise MixprecError(
@@ -76,10 +93,28 @@ def load_calib_inputs(
         )
     docs = list(read_texts(p, what="calibration data").documents)
     tok = text_tokenizer(Path(source), model_vocab=256)
-    blocks = (
-        lm_blocks(docs, tok, seq_len, samples).numpy().astype(_INT_TYPES[ints[0].type.tensor_type.elem_type])
-    )
-    return [{ints[0].name: blocks[s : s + batch_size]} for s in range(0, blocks.shape[0], batch_size)]
+    blocks = lm_blocks(docs, tok, seq_len, samples).numpy().astype(_INT_TYPES[_elem_type(ids_input)])
+    feeds = []
+    for s in range(0, blocks.shape[0], batch_size):
+        feed = {ids_input.name: blocks[s : s + batch_size]}
+        if mask_input is not None:  # full blocks of text: no padding
+            feed[MASK] = np.ones(feed[ids_input.name].shape, dtype=_INT_TYPES[_elem_type(mask_input)])
+        feeds.append(feed)
+    return feeds
+
+
+def check_counts(samples: int, seq_len: int, batch_size: int = 1) -> None:
+    """The calibration counts, checked before anything is loaded."""
+    if samples < 1:
+        raise MixprecError(f"--calib-samples {samples}: at least 1 sample is needed")
+    if seq_len < 2:
+        raise MixprecError(f"--calib-seq-len {seq_len}: at least 2 tokens are needed")
+    if batch_size < 1:
+        raise MixprecError(f"batch size {batch_size}: at least 1 is needed")
+
+
+def _elem_type(inp) -> int:
+    return inp.type.tensor_type.elem_type
 
 
 def _vocab_for(model, input_name: str) -> int:
@@ -109,7 +144,9 @@ def synthetic_inputs(
             dims = []
             for k, d in enumerate(tt.shape.dim):
                 dims.append(d.dim_value if d.dim_value > 0 else (batch if k == 0 else seq_len))
-            if tt.elem_type in _INT_TYPES:
+            if tt.elem_type in _INT_TYPES and inp.name == MASK:
+                feed[inp.name] = np.ones(dims, dtype=_INT_TYPES[tt.elem_type])
+            elif tt.elem_type in _INT_TYPES:
                 feed[inp.name] = rng.integers(0, _vocab_for(model, inp.name), size=dims).astype(
                     _INT_TYPES[tt.elem_type]
                 )
@@ -123,4 +160,4 @@ def synthetic_inputs(
     return feeds
 
 
-__all__ = ["load_calib_inputs", "synthetic_inputs"]
+__all__ = ["MASK", "check_counts", "load_calib_inputs", "synthetic_inputs"]

@@ -14,6 +14,7 @@ so on CPU the FP8 graph is smaller, not faster.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.files import check_new_output
 from mixprec.formats import E4M3
 from mixprec.onnx.check import check_fp8_onnx
 from mixprec.onnx.common import (
@@ -32,13 +34,15 @@ from mixprec.onnx.common import (
     load_model,
     need_onnx,
     need_ort,
+    run_session,
     save_model_atomic,
 )
-from mixprec.onnx.inputs import synthetic_inputs
+from mixprec.onnx.inputs import check_counts, synthetic_inputs
 from mixprec.quantization import quantize
 from mixprec.scaling import Granularity, compute_scale
 from mixprec.select import check_pattern, selects
 
+SCHEMA_VERSION = 2  # 2: max_error and written
 DEFAULT_EXCLUDE = ("lm_head",)  # as in the PyTorch inference defaults: the output head stays high precision
 
 
@@ -57,9 +61,66 @@ class QuantizeOnnxReport:
     file_bytes_after: int = 0
     check: dict | None = None
     notes: list[str] = field(default_factory=list)
+    max_error: float | None = None  # the limit on the check's worst relative L2 error, if any
+    written: bool = False  # False when the check exceeded max_error: no output file exists
 
     def to_dict(self) -> dict:
-        return {"schema_version": 1, **asdict(self)}
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+
+class MaxErrorExceeded(MixprecError):
+    """The FP8 graph's check exceeded max_error; nothing was written. `report` holds the measurements."""
+
+    def __init__(self, message: str, report: QuantizeOnnxReport):
+        super().__init__(message)
+        self.report = report
+
+
+def check_max_error(max_error: float | None, check: bool) -> None:
+    if max_error is None:
+        return
+    if not check:
+        raise MixprecError("--max-error needs the check (drop --no-check)")
+    if not (math.isfinite(max_error) and max_error > 0):
+        raise MixprecError(f"--max-error {max_error}: a positive relative error is expected (e.g. 0.05)")
+
+
+def check_quantize_inputs(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    force: bool = False,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    check: bool = True,
+    max_error: float | None = None,
+    calib_data: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    calib_samples: int = 32,
+    calib_seq_len: int = 64,
+    json_path: str | os.PathLike | None = None,
+) -> None:
+    """Every check of quantize-onnx's arguments that needs no graph loaded: paths, counts, patterns."""
+    check_max_error(max_error, check)
+    check_counts(calib_samples, calib_seq_len)
+    for pattern in exclude:
+        check_pattern(pattern, "--exclude pattern")
+    src, dst = Path(input_path), Path(output_path)
+    if src.is_dir():
+        raise MixprecError(f"--input {src} is a directory; an .onnx file is expected")
+    if not src.is_file():
+        raise MixprecError(f"--input {src} does not exist")
+    check_output(dst, force, (src,))
+    if calib_data is not None and not Path(calib_data).exists():
+        raise MixprecError(f"--calib-data {calib_data} does not exist")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise MixprecError(f"--tokenizer {tokenizer} is not a directory (a model or tokenizer directory)")
+    if json_path is not None:
+        j = Path(json_path)
+        if j.is_dir():
+            raise MixprecError(f"--json {j} is a directory; give the file to write")
+        if j.absolute() in (dst.absolute(), src.absolute()):
+            raise MixprecError(f"--json {j} is also the ONNX input or output")
+        check_new_output(j, force, label="--json")
 
 
 def module_path(node) -> str:
@@ -134,16 +195,21 @@ def quantize_onnx(
     check_inputs: list[dict[str, np.ndarray]] | None = None,
     force: bool = False,
     check: bool = True,
+    max_error: float | None = None,
 ) -> QuantizeOnnxReport:
     """Write an FP8 Q/DQ copy of `input_path` to `output_path` and (check=True) compare the two in onnxruntime.
 
     granularity: "channel" (per output channel weight scales) or "tensor". calib_inputs: feeds
     (input name -> array) for static activation scales; None gives a weight-only graph. The check runs
     on calib_inputs, else check_inputs, else synthetic inputs (see mixprec.onnx.inputs).
+    max_error: the worst relative L2 error the check may find; the graph is checked before it is
+    published, and over the limit MaxErrorExceeded is raised (its `report` holds the check) and nothing
+    is written.
     """
     onnx = need_onnx()
     from onnx import helper, numpy_helper
 
+    check_max_error(max_error, check)
     if granularity not in ("channel", "tensor"):
         raise MixprecError(f"granularity must be 'channel' or 'tensor', got {granularity!r}")
     exclude = [check_pattern(p, "--exclude pattern") for p in exclude]
@@ -162,7 +228,7 @@ def quantize_onnx(
             ) from None
     report = QuantizeOnnxReport(
         str(src), str(dst), granularity, "static" if calib_inputs else "none (weight-only)", max(opset, MIN_OPSET),
-        weight_bytes_before=initializer_bytes(model),
+        weight_bytes_before=initializer_bytes(model), max_error=max_error,
     )  # fmt: skip
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -289,10 +355,15 @@ def quantize_onnx(
         onnx.checker.check_model(model)
     except Exception as exc:  # a bug here, not a user error: keep the message
         raise MixprecError(f"the FP8 graph failed onnx.checker: {exc}") from None
-    save_model_atomic(model, dst)
     report.weight_bytes_after = initializer_bytes(model)
-    report.file_bytes_after = sum(f.stat().st_size for f in dst.parent.glob(dst.name + "*") if f.is_file())
-    if check:
+
+    def vet(staged: Path) -> None:
+        """Runs on the staged copy: a graph over max_error is never published under `dst`."""
+        report.file_bytes_after = sum(
+            f.stat().st_size for f in staged.parent.glob(staged.name + "*") if f.is_file()
+        )
+        if not check:
+            return
         feeds, where = calib_inputs, "calibration inputs"
         if not feeds:
             feeds, where = (
@@ -300,8 +371,19 @@ def quantize_onnx(
                 if check_inputs
                 else (synthetic_inputs(model), "synthetic inputs")
             )
-        report.check = check_fp8_onnx(src, dst, feeds)
+        report.check = check_fp8_onnx(src, staged, feeds)
         report.check["inputs"] = where
+        worst = report.check["worst_relative_l2_error"]
+        if max_error is not None and not worst <= max_error:  # NaN fails too
+            name = max(report.check["outputs"], key=lambda n: report.check["outputs"][n]["relative_l2_error"])
+            raise MaxErrorExceeded(
+                f"relative L2 error {worst:.4g} (output {name}, {where}) > --max-error {max_error:g}: "
+                f"{dst} was not written",
+                report,
+            )
+
+    save_model_atomic(model, dst, vet=vet)
+    report.written = True
     return report
 
 
@@ -342,7 +424,7 @@ def _activation_amax(model, names: list[str], feeds: list[dict[str, np.ndarray]]
     out_names = [o.name for o in sess.get_outputs()]
     amax = dict.fromkeys(names, 0.0)
     for feed in feeds:
-        values = dict(zip(out_names, sess.run(None, _feed(sess, feed))))
+        values = dict(zip(out_names, run_session(sess, _feed(sess, feed), "a calibration batch")))
         for n in names:
             v = values[n]
             if not np.isfinite(v).all():
@@ -359,4 +441,14 @@ def _feed(sess, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {n: feed[n] for n in wanted}
 
 
-__all__ = ["DEFAULT_EXCLUDE", "QuantizeOnnxReport", "module_path", "quantize_onnx", "quantize_weight_array"]
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "SCHEMA_VERSION",
+    "MaxErrorExceeded",
+    "QuantizeOnnxReport",
+    "check_max_error",
+    "check_quantize_inputs",
+    "module_path",
+    "quantize_onnx",
+    "quantize_weight_array",
+]

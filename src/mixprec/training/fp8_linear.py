@@ -369,8 +369,9 @@ class Fp8Linear(nn.Module):
             return False
         r = self.recipe
         scaling_state.advance_buffers(
-            self.amax_history, self.fp8_scale, self.scaling_step, r.formats(), r.margin, r.amax_compute_algo
-        )
+            self.amax_history, self.fp8_scale, self.scaling_step, r.formats(), r.margin, r.amax_compute_algo,
+            current_while_growing=r.current_while_growing,
+        )  # fmt: skip
         return True
 
     def amax_tensors_for_reduction(self) -> list[torch.Tensor]:

@@ -66,6 +66,7 @@ class Rule:
     action: str
     name: str | None = None
     module_type: type | str | None = None
+    reason: str | None = None  # why the rule exists (the automatic policy's evidence); shown in reports
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -93,7 +94,7 @@ class Rule:
         if self.module_type is not None:
             t = self.module_type if isinstance(self.module_type, str) else self.module_type.__name__
             parts.append(f"type {t}")
-        return f"rule {' and '.join(parts)} -> {self.action}"
+        return f"rule {' and '.join(parts)} -> {self.action}" + (f" ({self.reason})" if self.reason else "")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,404 @@
+"""Serve mixprec's checkpoints in a real vLLM and compare its log-probabilities with mixprec's emulation.
+
+Three phases in two virtual environments (vLLM's CPU build pins compressed-tensors and transformers
+versions of its own, so it cannot share the project's environment); bench/serve_check.sh runs them all:
+
+    prepare  (project venv)  build a tiny Llama, quantize it and a real model with every scheme and
+                             layout through `mixprec quantize`, tokenize the prompts: WORK/plan.json
+    serve    (vLLM venv)     for each checkpoint, in a fresh process: vllm.LLM(...), greedy generation
+                             with the log-probability of every prompt and generated token, load time,
+                             or the engine's own error: WORK/vllm/<id>.json
+    compare  (project venv)  the same token sequences through mixprec (load_quantized) and transformers:
+                             |vLLM - mixprec| log-prob differences of each quantized checkpoint against
+                             the floor |vLLM - transformers| of the unquantized model; where vLLM could
+                             not serve a checkpoint, transformers with compressed-tensors' loader
+                             dequantizes it instead (weights compared bit for bit with mixprec's).
+                             WORK/serve_check.json and WORK/serve_check.md (the table in docs/serving.md)
+
+Nothing here imports mixprec or vllm at module level: each phase imports what its environment has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# (scheme, layout, extra `mixprec quantize` arguments): every scheme and layout mixprec writes
+VARIANTS = (
+    ("fp8-dynamic", "compressed-tensors", ()),
+    ("fp8-static", "compressed-tensors", ("--calib",)),
+    ("fp8-block", "compressed-tensors", ()),
+    ("fp8-block", "hf-fp8", ()),
+    ("fp8-dynamic", "compressed-tensors", ("--calib", "--kv-cache", "fp8")),
+)
+N_PROMPTS = 8
+PROMPT_TOKENS = 32
+NEW_TOKENS = 8
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.machine()
+    keep = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in keep if f in flags) or "no AVX2"
+
+
+# ---------------------------------------------------------------------------------------------------
+# prepare (project venv)
+
+
+def _tiny_llama(directory: Path, texts: list[str]) -> None:
+    """A 2-layer Llama from a config (fp32, random weights) with a BPE tokenizer trained on `texts`."""
+    import torch
+    import transformers
+
+    from mixprec.data import save_tokenizer, train_bpe_tokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    save_tokenizer(train_bpe_tokenizer(texts, vocab_size=512), directory)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    texts = [t for t in Path(args.texts).read_text().splitlines() if t.strip()]
+    calib = work / "calib.txt"
+    calib.write_text("\n".join(texts[100:400]))
+    models = {"tiny": (work / "tiny", "tiny Llama (random weights, fp32)")}
+    if not (work / "tiny" / "config.json").exists():
+        _tiny_llama(work / "tiny", texts)
+    if args.real and (Path(args.real) / "config.json").exists():
+        models["smol"] = (Path(args.real), "SmolLM2-135M-Instruct (Q4_1-derived, bf16)")
+    plan = []
+    for key, (src, label) in models.items():
+        tok = AutoTokenizer.from_pretrained(src)
+        prompts = [tok(t)["input_ids"][:PROMPT_TOKENS] for t in texts[:N_PROMPTS]]
+        plan.append(dict(id=f"{key}-original", model=key, label=label, scheme="none", layout="original",
+                         dir=str(src), prompts=prompts, kept={}, quantize_s=0.0))  # fmt: skip
+        for scheme, layout, extra in VARIANTS:
+            kv = "--kv-cache" in extra
+            vid = f"{key}-{scheme}-{layout}" + ("-kv" if kv else "")
+            out = work / "ckpt" / vid
+            cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(src), "--output", str(out),
+                   "--scheme", scheme, "--format", layout, "--json", "--force"]  # fmt: skip
+            if kv and key != "tiny":
+                continue  # the engine's FP8 KV-cache support depends on the CPU, not the model: once is enough
+            rest = list(extra)
+            if "--calib" in rest:
+                rest.remove("--calib")
+                # static scales from 8 x 128 tokens: enough for a serving check (not a quality figure)
+                cmd += ["--calib-data", str(calib), "--calib-samples", "8", "--calib-seq-len", "128"]
+            saved = work / "ckpt" / f"{vid}.report.json"  # a rerun reuses what is already quantized
+            t0 = time.perf_counter()
+            if saved.exists() and (out / "config.json").exists():
+                stdout, error = saved.read_text(), None
+            else:
+                done = subprocess.run(cmd + rest, capture_output=True, text=True)
+                stdout = done.stdout
+                error = (done.stderr.strip().splitlines() or ["?"])[-1] if done.returncode else None
+                if error is None:
+                    saved.write_text(
+                        json.dumps({**json.loads(stdout), "quantize_s": time.perf_counter() - t0})
+                    )
+                    stdout = saved.read_text()
+            entry = dict(id=vid, model=key, label=label, scheme=scheme, layout=layout + (" + fp8 KV cache" if kv else ""),
+                         dir=str(out), prompts=prompts, kv_cache=kv)  # fmt: skip
+            if error is not None:
+                entry["quantize_error"] = error
+            else:
+                report = json.loads(stdout)
+                entry["quantize_s"] = round(report["quantize_s"], 1)
+                entry["kept"] = {
+                    e["name"]: e["reason"]
+                    for e in report["modules"]
+                    if e["precision"].startswith("skipped") and e["reason"] != "ignored by pattern"
+                }
+            plan.append(entry)
+            print(f"quantized {vid} in {entry.get('quantize_s')} s", flush=True)
+    (work / "plan.json").write_text(json.dumps(plan, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# serve (vLLM venv)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """All checkpoints in one child process (vLLM's import and start-up cost a minute or more on a small
+    CPU; its engine then runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0). A checkpoint that kills the
+    process (a C++ abort) is recorded with the last error line and the rest run in a new child."""
+    work = Path(args.work)
+    plan = [e for e in json.loads((work / "plan.json").read_text()) if "quantize_error" not in e]
+    (work / "vllm").mkdir(exist_ok=True)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    marker = work / "vllm" / "in_flight"
+    todo = [e for e in plan if not (work / "vllm" / f"{e['id']}.json").exists()]
+    while todo:
+        marker.unlink(missing_ok=True)
+        (work / "vllm" / "todo.json").write_text(json.dumps(todo))
+        done = subprocess.run([sys.executable, __file__, "serve-batch", "--work", str(work)],
+                              capture_output=True, text=True, env=env, timeout=args.timeout)  # fmt: skip
+        (work / "vllm" / "serve.log").open("a").write(done.stdout + done.stderr)
+        if marker.exists():  # the engine died without a Python exception
+            crashed = marker.read_text()
+            lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "rror" in ln or "bort" in ln] or lines or ["no output"]
+            reason = {"ok": False, "reason": f"process died (rc {done.returncode}): {errors[-1][-300:]}"}
+            (work / "vllm" / f"{crashed}.json").write_text(json.dumps(reason))
+        left = [e for e in todo if not (work / "vllm" / f"{e['id']}.json").exists()]
+        if len(left) == len(todo):
+            raise SystemExit(
+                f"vLLM child made no progress (rc {done.returncode}); see {work / 'vllm' / 'serve.log'}"
+            )
+        todo = left
+    for e in plan:
+        r = json.loads((work / "vllm" / f"{e['id']}.json").read_text())
+        print(f"{e['id']}: {'served' if r['ok'] else r['reason'][:200]} (load {r.get('load_s', '-')} s)")
+
+
+def serve_batch(args: argparse.Namespace) -> None:
+    work = Path(args.work)
+    for entry in json.loads((work / "vllm" / "todo.json").read_text()):
+        (work / "vllm" / "in_flight").write_text(entry["id"])
+        result = serve_one(entry)
+        (work / "vllm" / f"{entry['id']}.json").write_text(json.dumps(result))
+        (work / "vllm" / "in_flight").unlink()
+        print(f"{entry['id']}: {'served' if result['ok'] else result['reason'][:200]}", flush=True)
+
+
+def serve_one(entry: dict) -> dict:
+    """Load one checkpoint in vLLM, generate greedily, and return every token's log-probability."""
+    import gc
+
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    result: dict = {"vllm": vllm.__version__, "cpu": _cpu_flags()}
+    llm = None
+    try:
+        t0 = time.perf_counter()
+        llm = vllm.LLM(model=entry["dir"], dtype="auto", max_model_len=128, max_num_seqs=N_PROMPTS, enforce_eager=True,
+                       seed=0, kv_cache_dtype="fp8" if entry.get("kv_cache") else "auto")  # fmt: skip
+        result["load_s"] = round(time.perf_counter() - t0, 1)
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in entry["prompts"]], params, use_tqdm=False
+        )
+        result["generate_s"] = round(time.perf_counter() - t0, 2)
+        seqs, lps = [], []
+        for o in outs:
+            gen = o.outputs[0]
+            tokens = list(o.prompt_token_ids) + list(gen.token_ids)
+            lp = [o.prompt_logprobs[i][tokens[i]].logprob for i in range(1, len(o.prompt_token_ids))]
+            lp += [gen.logprobs[j][t].logprob for j, t in enumerate(gen.token_ids)]
+            seqs.append(tokens)
+            lps.append(lp)
+        result.update(ok=True, sequences=seqs, logprobs=lps)
+    except Exception as e:  # the engine's own reason is the result
+        text = str(e).strip()
+        result.update(ok=False, reason=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}")
+    finally:
+        del llm
+        gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# compare (project venv)
+
+
+def _token_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
+    """log p(token_i | tokens_<i) for i >= 1 of each sequence (teacher forcing), fp32 log-softmax."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            logits = model(ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            out.append(lp.tolist())
+    return out
+
+
+def _in_fp32(model):
+    """Floating parameters and buffers outside the FP8 Linears in fp32: a bf16 matmul is 4-25x slower
+    than fp32 on CPUs without AVX-512-BF16 (the bf16 values upcast exactly; sums in fp32, as a GPU's)."""
+    import torch
+
+    from mixprec.inference.linear import QuantizedLinear
+
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.out_dtype = torch.float32  # the GEMM's fp32 result, not rounded to bf16
+            continue
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if t.dtype in (torch.bfloat16, torch.float16):
+                t.data = t.data.float()
+    return model
+
+
+def _difference(a: list[list[float]], b: list[list[float]]) -> dict:
+    flat = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return {"mean_abs": sum(flat) / len(flat), "max_abs": max(flat), "tokens": len(flat)}
+
+
+def _nll(lps: list[list[float]]) -> float:
+    flat = [x for r in lps for x in r]
+    return -sum(flat) / len(flat)
+
+
+def compare(args: argparse.Namespace) -> None:
+    import compressed_tensors
+    import torch
+    import transformers
+
+    import mixprec
+    from mixprec.inference.linear import QuantizedLinear
+
+    work = Path(args.work)
+    plan = json.loads((work / "plan.json").read_text())
+    rows, floors, originals = [], {}, {}
+    for entry in plan:
+        vres_path = work / "vllm" / f"{entry['id']}.json"
+        vres = json.loads(vres_path.read_text()) if vres_path.exists() else {"ok": False, "reason": "not run"}
+        row = {k: entry.get(k) for k in ("id", "model", "label", "scheme", "layout", "quantize_s", "kept")}
+        row.update(
+            vllm=vres.get("vllm"), cpu=vres.get("cpu"), served=bool(vres.get("ok")), load_s=vres.get("load_s")
+        )
+        if "quantize_error" in entry:
+            row.update(served=False, reason=f"mixprec quantize: {entry['quantize_error']}")
+            rows.append(row)
+            continue
+        if entry["layout"] == "original":
+            model = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval())
+            originals[entry["model"]] = model
+            if vres.get("ok"):
+                floors[entry["model"]] = _difference(
+                    vres["logprobs"], _token_logprobs(model, vres["sequences"])
+                )
+                row.update(floor=floors[entry["model"]], vllm_nll=_nll(vres["logprobs"]))
+                originals[entry["model"] + ":nll"] = row["vllm_nll"]
+            else:
+                row["reason"] = vres.get("reason")
+            rows.append(row)
+            continue
+        mine = _in_fp32(mixprec.load_quantized(entry["dir"]).eval())
+        # compressed-tensors' loader (through transformers) dequantizes the weights: the same model with
+        # unquantized activations
+        kw = {}
+        if entry["layout"].startswith("compressed-tensors"):
+            kw["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
+        if vres.get("ok"):
+            ours = _token_logprobs(mine, vres["sequences"])
+            row.update(vs_mixprec=_difference(vres["logprobs"], ours), floor=floors.get(entry["model"]),
+                       vllm_nll=_nll(vres["logprobs"]), mixprec_nll=_nll(ours),
+                       vllm_nll_original=originals.get(entry["model"] + ":nll"))  # fmt: skip
+            hf = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval())
+            row["vs_weights_only"] = _difference(vres["logprobs"], _token_logprobs(hf, vres["sequences"]))
+            row["mixprec_vs_weights_only"] = _difference(ours, _token_logprobs(hf, vres["sequences"]))
+        else:
+            row["reason"] = vres.get("reason")
+            # what this engine cannot run: checked with compressed-tensors' loader instead
+            try:
+                hf = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval())
+                same = total = 0
+                for name, m in mine.named_modules():
+                    if isinstance(m, QuantizedLinear):
+                        total += 1
+                        # transformers dequantizes into the model's dtype: compare in that dtype
+                        dtype = getattr(hf.config, "dtype", None) or torch.float32
+                        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+                        theirs = hf.get_submodule(name).weight.detach().to(dtype)
+                        same += torch.equal(theirs, m.dequantized_weight().to(dtype))
+                seqs = [p for p in entry["prompts"]]
+                row["fallback"] = {
+                    "loader": f"transformers {transformers.__version__} + compressed-tensors {compressed_tensors.__version__}",
+                    "weights_bit_identical": f"{same}/{total}",
+                    "vs_mixprec": _difference(_token_logprobs(hf, seqs), _token_logprobs(mine, seqs)),
+                }
+            except Exception as e:  # recorded, not hidden
+                row["fallback"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(row)
+        print(f"compared {entry['id']}", flush=True)
+    doc = {"schema_version": 1, "machine": {"cpu": _cpu_flags(), "cores": os.cpu_count()}, "rows": rows}
+    (work / "serve_check.json").write_text(json.dumps(doc, indent=1))
+    (work / "serve_check.md").write_text(markdown(doc))
+    print(markdown(doc))
+
+
+def _fmt(d: dict | None) -> str:
+    return "-" if not d else f"{d['mean_abs']:.2e} (max {d['max_abs']:.2e})"
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["rows"]
+    first = next((r for r in rows if r.get("vllm")), {})
+    lines = [
+        f"vLLM {first.get('vllm', '?')} (vllm-cpu), CPU flags: {doc['machine']['cpu']}, {doc['machine']['cores']} cores.",
+        "",
+        "| model | scheme | layout | vLLM | mean \\|Δ logprob\\| vLLM vs mixprec (max) | floor: unquantized, vLLM vs transformers | vLLM vs dequantized weights, unquantized activations (transformers) | NLL vLLM (original → quantized) | load s | kept in high precision by the shape rules |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        if r["served"]:
+            served = "served"
+        else:
+            served = f"not served: `{(r.get('reason') or '?')[:150]}`"
+            fb = r.get("fallback")
+            if fb and "error" not in fb:
+                served += (f"; checked instead with {fb['loader']}: weights bit-identical {fb['weights_bit_identical']}, "
+                           f"\\|Δ logprob\\| vs mixprec {_fmt(fb['vs_mixprec'])}")  # fmt: skip
+            elif fb:
+                served += f"; fallback failed: `{fb['error'][:120]}`"
+        nll = "-"
+        if r.get("vllm_nll") is not None:
+            orig = r.get("vllm_nll_original")
+            nll = f"{r['vllm_nll']:.4f}" if orig is None else f"{orig:.4f} → {r['vllm_nll']:.4f}"
+        kept = r.get("kept") or {}
+        groups = sorted({n.rsplit(".", 1)[0] + "." + n.rsplit(".", 1)[1] for n in kept})
+        kept_s = f"{len(kept)} Linears ({kept[groups[0]].split(' (')[0]})" if kept else "none"
+        lines.append(
+            f"| {r['model']} | {r['scheme']} | {r['layout']} | {served} | {_fmt(r.get('vs_mixprec'))} | "
+            f"{_fmt(r.get('floor'))} | {_fmt(r.get('vs_weights_only'))} | {nll} | {r.get('load_s') or '-'} | {kept_s} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="phase", required=True)
+    a = sub.add_parser("prepare")
+    a.add_argument("--work", required=True)
+    a.add_argument("--texts", required=True, help="prompts and calibration text, one per line")
+    a.add_argument("--real", help="a real Hugging Face model directory (optional)")
+    a = sub.add_parser("serve")
+    a.add_argument("--work", required=True)
+    a.add_argument("--timeout", type=int, default=3600, help="seconds for one child process")
+    a = sub.add_parser("serve-batch")  # internal: the child process of `serve`
+    a.add_argument("--work", required=True)
+    a = sub.add_parser("compare")
+    a.add_argument("--work", required=True)
+    args = p.parse_args()
+    {"prepare": prepare, "serve": serve, "serve-batch": serve_batch, "compare": compare}[args.phase](args)
+
+
+if __name__ == "__main__":  # vLLM's engine starts worker processes: create vllm.LLM only under this guard
+    main()

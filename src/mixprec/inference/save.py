@@ -1,0 +1,195 @@
+"""save_quantized: a model whose Linears run in FP8 (from `load_quantized` or `quantize_model_`) ->
+the checkpoint directory `mixprec quantize` writes, with the same writer.
+
+The payloads and scales are written as the model holds them, bit for bit (casting a quantized model
+with `.to(dtype)` changes its compute dtype only, see linear.py), the other tensors in the dtype the
+model has now; config.json gets the layout's `quantization_config` and the dtype of those tensors, and
+`model.fp8_scales.json` lists every quantized layer. Streaming and atomic, as quantize: nothing is
+left half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
+from mixprec.inference import layouts
+from mixprec.inference.experts import UnfusedExperts
+from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.safetensors_io import PlannedShardWriter, PlannedTensor, plan_shards, write_index
+from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.schemes import SCHEMES, InferenceScheme
+
+DEFAULT_MAX_SHARD_SIZE = 2 << 30
+
+
+def _scheme_of(name: str, m: QuantizedLinear) -> InferenceScheme:
+    """The named scheme the layer's stored tensors follow (what the checkpoint's config will say)."""
+    for candidate in (InferenceScheme.from_name(n) for n in SCHEMES):
+        static = not candidate.input_dynamic
+        if (
+            candidate.weight_granularity == m.weight_granularity
+            and static == (m.input_scale is not None)
+            and (static or candidate.input_granularity == m.input_granularity)
+        ):
+            return candidate
+    raise MixprecError(
+        f"{name}: weights {m.weight_granularity.name}, inputs "
+        f"{'static per-tensor' if m.input_scale is not None else 'dynamic ' + m.input_granularity.name} "
+        f"is none of the schemes a checkpoint is written in ({', '.join(SCHEMES)})"
+    )
+
+
+def _output_dtype_name(model: nn.Module) -> str | None:
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return str(dtypes[0]).replace("torch.", "") if dtypes else None
+
+
+def save_quantized(
+    model: nn.Module,
+    output_dir: str | os.PathLike,
+    *,
+    format: str = "compressed-tensors",
+    tokenizer: Any = None,
+    force: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write `model` (a Hugging Face model with QuantizedLinear layers) as an FP8 checkpoint directory
+    that `load_quantized`, vLLM and transformers read; returns the directory.
+
+    format: "compressed-tensors" or "hf-fp8" (fp8-block only), as `mixprec quantize --format`.
+    tokenizer: saved beside the weights when given (the model does not know its tokenizer).
+    """
+    from mixprec import __version__
+
+    out = Path(output_dir)
+    names = layouts.tensor_names(format)  # refuses an unknown format
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        raise MixprecError(
+            f"save_quantized writes Hugging Face checkpoints; {type(model).__name__} has no config "
+            "(save a plain module's state_dict() with safetensors instead)"
+        )
+    unfused = [n for n, m in model.named_modules() if isinstance(m, UnfusedExperts)]
+    if unfused:
+        raise MixprecError(
+            f"save_quantized does not write per-expert MoE Linears yet ({unfused[0]}); "
+            "quantize the original checkpoint with `mixprec quantize` instead"
+        )
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not quantized:
+        raise MixprecError(
+            f"{type(model).__name__} has no FP8 Linear layers: quantize it with mixprec.quantize_model_ "
+            "first, or save it with save_pretrained"
+        )
+    schemes = {n: _scheme_of(n, m) for n, m in quantized.items()}
+    scheme = next(iter(schemes.values()))
+    other = next((n for n, s in schemes.items() if s != scheme), None)
+    if other is not None:
+        raise MixprecError(
+            f"save_quantized writes one scheme per checkpoint: {next(iter(schemes))} is {scheme.name}, "
+            f"{other} is {schemes[other].name}"
+        )
+    if format == "hf-fp8":
+        layouts.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
+    check_new_output(out, force, flag="force=True")
+    ignored = sorted(
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
+    )
+    kv_cache = any(n.endswith((".k_scale", ".v_scale")) for n, _ in model.named_buffers())
+    if format == "hf-fp8" and kv_cache:
+        raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
+
+    # every tensor once (tied weights share storage: the first name keeps it, as save_pretrained does)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
+    for key, t in model.state_dict().items():
+        if t.device.type == "meta":
+            raise MixprecError(f"{key} is on the meta device: nothing to write")
+        ident = (t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else None
+        if ident is not None and ident in seen:
+            continue
+        if ident is not None:
+            seen.add(ident)
+        module, _, leaf = key.rpartition(".")
+        m = quantized.get(module)
+        if m is not None and leaf == "weight_scale":
+            tensors[f"{module}.{names['weight_scale']}"] = t.reshape(
+                scheme.scale_shape(m.out_features, m.in_features)
+            )
+        elif m is not None and leaf == "input_scale":
+            tensors[f"{module}.{names['input_scale']}"] = t.reshape(1)
+        else:
+            tensors[key] = t
+
+    report = getattr(model, "mixprec_report", None)
+    known = getattr(report, "layers", None) or {}
+    layers: dict[str, dict[str, Any]] = {}
+    for n, m in quantized.items():
+        before = known.get(n, {})
+        q = m.quantized_weight()
+        entry = layer_entry(
+            scheme=scheme.name, weight_granularity=m.weight_granularity.name, weight_scale=m.weight_scale.cpu(),
+            weight_amax=float(q.dequantize(torch.float32).abs().max()),
+            relative_weight_error=(before.get("weight") or {}).get("relative_error"),
+            shape=(m.out_features, m.in_features), input_scale=None if m.input_scale is None else m.input_scale.cpu(),
+            input_amax=(before.get("input") or {}).get("amax"), input_dynamic=m.input_scale is None,
+            input_granularity=m.input_granularity.name,
+        )  # fmt: skip
+        layers[n] = entry
+    not_quantized = {n: "not quantized in the model" for n in ignored}
+    for e in getattr(report, "entries", []):
+        if e.name in not_quantized and e.precision.startswith("skipped"):
+            not_quantized[e.name] = e.reason
+
+    planned = [PlannedTensor(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    out_cfg = json.loads(config.to_json_string(use_diff=True))
+    out_cfg.pop("quantization_config", None)
+    out_cfg["architectures"] = [
+        type(model).__name__
+    ]  # as save_pretrained records it: loaders build this class
+    dtype = _output_dtype_name(model)
+    if dtype is not None:
+        out_cfg["dtype"] = dtype
+        out_cfg.pop("torch_dtype", None)
+    if format == "compressed-tensors":
+        out_cfg["quantization_config"] = layouts.ct_quantization_config(scheme, ignored, kv_cache)
+    else:
+        out_cfg["quantization_config"] = layouts.hf_fp8_quantization_config(scheme, ignored)
+    kv_doc = {
+        owner: {k: float(m.get_buffer(k).reshape(-1)[0]) for k in ("k_scale", "v_scale") if hasattr(m, k)}
+        for owner, m in model.named_modules()
+        if isinstance(getattr(m, "k_scale", None), torch.Tensor)
+    }
+
+    with atomic_output_dir(out, force) as tmp:
+        writer = PlannedShardWriter(
+            tmp, plan_shards(planned, max_shard_size), {"producer": f"mixprec {__version__}"}
+        )
+        try:
+            for k, t in tensors.items():
+                writer.write(k, t)
+            weight_map = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        write_index(tmp, weight_map, sum(p.nbytes for p in planned))
+        write_json_atomic(tmp / "config.json", out_cfg)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        doc = build_document(
+            scheme=scheme.name, layout=format, layers=layers, kv_cache=kv_doc, ignored=not_quantized,
+            calibration=getattr(report, "calibration", None), producer=f"mixprec {__version__} (save_quantized)",
+        )  # fmt: skip
+        write_scales_file(tmp / "model.fp8_scales.json", doc)
+    return out
