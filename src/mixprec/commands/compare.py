@@ -269,14 +269,17 @@ def exit_code(summary, strict: bool) -> int:
     return 1 if summary.exit_code or (strict and summary.inconclusive()) else 0
 
 
-def check_extras(args: argparse.Namespace) -> None:
-    """The optional packages this comparison needs, before any work (mixprec.commands.extras)."""
+def check_extras(
+    args: argparse.Namespace, command: str = NAME, plots: str = "the plots of report.html in --out"
+) -> None:
+    """The optional packages a command that takes compare's model and data needs, before any work
+    (mixprec.commands.extras); `profile` calls it too, naming its own plots."""
     needs = {"transformers": "the model"}
     if args.tokenizer is None:
         needs["tokenizers"] = "the tokenizer trained on the spot (or pass --tokenizer DIR)"
     if args.out:
-        needs["matplotlib"] = "the plots of report.html in --out"
-    extras.require(NAME, needs)
+        needs["matplotlib"] = plots
+    extras.require(command, needs)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mixprec.commands import extras
-from mixprec.commands.compare import add_model_and_data_arguments, settings_from_args
+from mixprec.commands.compare import add_model_and_data_arguments, check_extras, settings_from_args
 from mixprec.comparison.config import CompareConfig, parse_fraction
 from mixprec.comparison.runner import load_inputs
 from mixprec.data import train_batch
@@ -117,12 +116,7 @@ def inputs_config(args: argparse.Namespace) -> CompareConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    needs = {"transformers": "the model"}
-    if args.tokenizer is None:
-        needs["tokenizers"] = "the tokenizer trained on the spot (or pass --tokenizer DIR)"
-    if args.out:
-        needs["matplotlib"] = "the heat maps of report.html in --out"
-    extras.require(NAME, needs)
+    check_extras(args, NAME, plots="the heat maps of report.html in --out")
     if args.passes < 1:
         raise MixprecError(f"--passes must be a positive integer, got {args.passes}")
     recipes = None if args.recipes is None else [r.strip() for r in args.recipes.split(",") if r.strip()]
