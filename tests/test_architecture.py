@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("errors",)),
     ("base", ("files", "progress", "verdicts")),
     ("formats", ("formats", "rounding")),
-    ("scaling", ("scaling",)),
+    ("scaling", ("scaling", "hadamard")),
     ("kernels", ("kernels",)),
     ("seams", ("quantization", "gemm")),
     ("vocabulary", ("recipes", "select", "conversion", "hf", "texts")),

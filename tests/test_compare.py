@@ -7,6 +7,8 @@ resume tests run a smaller one (two recipes, 16 steps).
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from mixprec.comparison.outdir import MARKER
 from mixprec.comparison.runner import compare
 from mixprec.comparison.summary import summarize
 from mixprec.errors import MixprecError
-from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN
+from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN, student_t_quantile
 
 TINY_MODEL = {
     "hidden_size": 64,
@@ -47,15 +49,15 @@ def _numbers(out: Path) -> tuple[list[dict], dict]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """fp32 with 3 null runs, a correct fp8 recipe and the broken negative control (both judged against
-    fp32), 20 steps.
+    """fp32, a correct fp8 recipe and the broken negative control (both judged against fp32, so each is
+    re-run from perturbed weights too: fp32's runs barely scatter), 2 null runs each, 20 steps.
 
     At this size and length the held-out loss is mostly unigram statistics learnt by the embeddings and
     the head, so the Linear layers that the broken recipe stops learning move it little: measured here
     fp8-delayed +0.02 %, fp8-unscaled +0.22 % validation gap at lr 1e-2 — the statistics, not the loss,
     catch it at this length."""
     out = tmp_path_factory.mktemp("cmp") / "out"
-    settings = dict(TINY, lr=1e-2, null_runs=3)
+    settings = dict(TINY, lr=1e-2, null_runs=2)
     summary = compare(["fp32", "fp8-delayed", "fp8-unscaled"], steps=20, out=out, progress=False, **settings)
     return summary, out
 
@@ -67,12 +69,13 @@ def test_writes_every_artefact_and_nothing_else(tiny):
     assert html.count("data:image/png;base64,") >= 4  # loss curves, gaps, heat maps
     assert "Verdict" in html and "fp8-unscaled" in html and "Null check of fp32" in html
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["schema_version"] == 3 and doc["verdict_loss"] == "train"
+    assert doc["schema_version"] == 4 and doc["verdict_loss"] == "train"
     assert all(r["schema_version"] == 1 for r in _records(out))
     kinds = {r["kind"] for r in _records(out)}
     assert {"step", "eval", "precision"} <= kinds
     runs = {r["run"] for r in _records(out)}
-    assert runs == {"fp32", "fp8-delayed", "fp8-unscaled", "fp32~null1", "fp32~null2", "fp32~null3"}
+    recipes = ("fp32", "fp8-delayed", "fp8-unscaled")
+    assert runs == {*recipes, *(f"{r}~null{k}" for r in recipes for k in (1, 2))}
     assert summary.report_path == str(out / "report.html")
 
 
@@ -84,20 +87,37 @@ def test_summary_agrees_with_metrics(tiny):
     assert recomputed["bands"] == doc["bands"]
     # and by hand: the final train loss is the mean of the last 10 % of steps (20 steps -> 2)
     fp8 = doc["recipes"]["fp8-delayed"]
-    losses = {run: [r["loss"] for r in _records(out) if r["kind"] == "step" and r["run"] == run]
-              for run in ("fp32", "fp8-delayed", "fp32~null1", "fp32~null2", "fp32~null3")}  # fmt: skip
+    losses = {}
+    for r in _records(out):
+        if r["kind"] == "step":
+            losses.setdefault(r["run"], []).append(r["loss"])
     assert len(losses["fp8-delayed"]) == 20
     assert fp8["final_train_loss"] == pytest.approx(sum(losses["fp8-delayed"][-2:]) / 2, rel=1e-12)
     evals = [r["val_loss"] for r in _records(out) if r["kind"] == "eval" and r["run"] == "fp8-delayed"]
     assert fp8["final_val_loss"] == pytest.approx(sum(evals[-3:]) / 3, rel=1e-12)
     base = doc["recipes"]["fp32"]["final_val_loss"]
     assert fp8["val_gap"] == pytest.approx((fp8["final_val_loss"] - base) / base)
-    # the band: the largest |train gap| of the null runs over the window, by hand
-    gaps = [sum(losses[f"fp32~null{k}"][-2:]) / sum(losses["fp32"][-2:]) - 1 for k in (1, 2, 3)]
+
+    # the band, by hand: the baseline and its null runs are equally good runs; one more such run may land
+    # t(2 degrees of freedom) x their spread x sqrt(1 + 1/3) from their mean
+    def window_gap(run):
+        return sum(losses[run][-2:]) / sum(losses["fp32"][-2:]) - 1
+
+    gaps = [window_gap(f"fp32~null{k}") for k in (1, 2)]
     assert doc["bands"]["fp32"]["train"] == pytest.approx(gaps, rel=1e-9)
-    assert fp8["band_train"] == pytest.approx(max(abs(g) for g in gaps), rel=1e-9)
-    assert fp8["interval"]["low"] <= fp8["train_gap"] - fp8["band_train"] + 1e-12
-    assert fp8["interval"]["high"] >= fp8["train_gap"] + fp8["band_train"] - 1e-12
+    refs = [0.0, *gaps]
+    assert fp8["band_train"] == pytest.approx(
+        4.302652729911275 * statistics.stdev(refs) * math.sqrt(1 + 1 / 3), rel=1e-6
+    )
+    # the recipe has its own null runs: the difference of the means of the two groups of runs, with
+    # Welch's interval (t at the Welch-Satterthwaite degrees of freedom, rounded down)
+    cands = [window_gap(r) for r in ("fp8-delayed", "fp8-delayed~null1", "fp8-delayed~null2")]
+    vc, vr = statistics.variance(cands) / 3, statistics.variance(refs) / 3
+    dof = max(1, math.floor((vc + vr) ** 2 / (vc**2 / 2 + vr**2 / 2)))
+    half = student_t_quantile(0.975, dof) * math.sqrt(vc + vr)
+    estimate = statistics.mean(cands) - statistics.mean(refs)
+    assert fp8["interval"]["estimate"] == pytest.approx(estimate, rel=1e-9, abs=1e-15)
+    assert fp8["interval"]["high"] - fp8["interval"]["low"] == pytest.approx(2 * half, rel=1e-9)
     # the underflow peak is the largest underflow row of that run
     rows = [r for r in _records(out) if r["kind"] == "precision" and r["run"] == "fp8-unscaled"]
     top = max((r for r in rows if r["role"] == "grad_output"), key=lambda r: r["underflow"])
@@ -107,19 +127,18 @@ def test_summary_agrees_with_metrics(tiny):
 
 def test_null_runs_start_from_weights_one_ulp_away_and_pass_the_null_check(tiny):
     """The null check first: a rounding-level perturbation of the baseline is as good as the baseline,
-    so null run 1, judged against the band of the other two, must come out equivalent."""
+    so null run 1, judged like a recipe against the baseline and the other one, must come out equivalent."""
     summary, out = tiny
     check = summary.bands["fp32"]["null_check"]
-    assert check["run"] == "fp32~null1" and check["against"] == ["fp32~null2", "fp32~null3"]
+    assert check["run"] == "fp32~null1" and check["against"] == ["fp32", "fp32~null2"]
     assert check["verdict"] == "equivalent", check
-    assert check["symmetric_verdict"] == check["verdict"]  # the verdict is two-sided (schema 3 keeps both)
     # the perturbation changed each run (an fp32 ulp can leave a 2-step window's mean loss unchanged at
     # this length, so the whole curve is compared)
     losses = {}
     for r in _records(out):
         if r["kind"] == "step":
             losses.setdefault(r["run"], []).append(r["loss"])
-    assert all(losses[f"fp32~null{k}"] != losses["fp32"] for k in (1, 2, 3))
+    assert all(losses[f"fp32~null{k}"] != losses["fp32"] for k in (1, 2))
 
 
 def test_perturbation_moves_weights_by_exactly_one_ulp():
@@ -246,9 +265,12 @@ def _precision_row(run: str, role: str, saturation: float, underflow: float) -> 
 
 
 # Synthetic curves: 20 steps, window = the last 2; the baseline is flat at 2.0; the null runs sit at
-# fixed relative offsets over the window (band = the largest, 0.1 %); the candidate at a fixed gap g.
-# The bootstrap of a constant ratio is that ratio, so the decided interval is exactly [g - band, g + band].
-NULLS = (0.0005, -0.001, 0.0008)
+# fixed relative offsets over the window; the candidate at a fixed gap g. The members (baseline + null
+# runs) are [0, *NULLS]: the decided interval is g - mean(members) ± t3 x stdev(members) x sqrt(1 + 1/4).
+NULLS = (0.0002, -0.0004, 0.0003)
+T3_975 = 3.182446305284263  # Student's t, 3 degrees of freedom, 0.975 (tabulated)
+CENTRE = statistics.mean((0.0, *NULLS))
+HALF = T3_975 * statistics.stdev((0.0, *NULLS)) * math.sqrt(1 + 1 / 4)  # 0.110 %
 
 
 def _judged(gap, *extra, nulls=NULLS, early=None, **settings):
@@ -268,42 +290,91 @@ def _judged(gap, *extra, nulls=NULLS, early=None, **settings):
 
 
 def test_verdict_boundaries_on_synthetic_curves():
-    # equivalent: the interval [g - 0.1 %, g + 0.1 %] lies within ±0.25 %
-    for gap in (-0.00149, 0.0, 0.001, 0.00149):
-        r = _judged(gap).recipes["fp8-current"]
-        assert r.verdict == "equivalent", (gap, r.reasons)
-        assert r.interval["low"] == pytest.approx(gap - 0.001) and r.interval["high"] == pytest.approx(
-            gap + 0.001
+    margin = FP8_MARGIN
+    edge = margin - HALF  # the largest |estimate| whose interval lies within ±margin
+    for estimate in (-0.99 * edge, 0.0, 0.5 * edge, 0.99 * edge):
+        r = _judged(estimate + CENTRE).recipes["fp8-current"]
+        assert r.verdict == "equivalent", (estimate, r.reasons)
+        assert r.interval["low"] == pytest.approx(estimate - HALF) and r.interval["high"] == pytest.approx(
+            estimate + HALF
         )
-        assert r.band_train == pytest.approx(0.001) and r.steps_to_settle is None
+        assert r.band_train == pytest.approx(HALF) and r.null_runs_to_settle is None
     # inconclusive: the interval straddles +margin (either side of it), or lies below -margin in part or
     # wholly (better than the baseline by more than the margin is not shown equivalent, nor worse)
-    for gap in (0.00151, 0.0025, 0.00349, -0.00151, -0.02):
-        s = _judged(gap)
+    for estimate in (1.01 * edge, margin, margin + 0.99 * HALF, -1.01 * edge, -0.02):
+        s = _judged(estimate + CENTRE)
         r = s.recipes["fp8-current"]
-        assert r.verdict == "inconclusive", (gap, r.reasons)
+        assert r.verdict == "inconclusive", (estimate, r.reasons)
         assert s.passed and s.exit_code == 0  # inconclusive does not fail (only --strict makes it)
         assert "not wholly within ±0.25%" in r.reasons[0]
+    assert (
+        "better than its baseline by more than the margin" in _judged(-0.02).recipes["fp8-current"].reasons[0]
+    )
     # worse: the whole interval above the margin
-    for gap in (0.00351, 0.05):
-        s = _judged(gap)
+    for estimate in (margin + 1.01 * HALF, 0.05):
+        s = _judged(estimate + CENTRE)
         assert s.recipes["fp8-current"].verdict == "worse" and not s.passed and s.exit_code == 1
         assert "wholly above the 0.25% margin" in s.recipes["fp8-current"].reasons[0]
-    # a wider band turns the same gap from equivalent into inconclusive
+    # a wider spread of equally good runs turns the same gap from equivalent into inconclusive
+    assert _judged(0.001).recipes["fp8-current"].verdict == "equivalent"
     assert _judged(0.001, nulls=(0.002, -0.001, 0.0)).recipes["fp8-current"].verdict == "inconclusive"
-    # the margin is the 16-bit one for a 16-bit candidate, and can be set
+    # the margin can be set
     assert _judged(0.001, thresholds={"fp8": 0.0015}).recipes["fp8-current"].verdict == "inconclusive"
 
 
-def test_steps_to_settle_comes_from_how_the_interval_narrowed():
-    # the band halves from the first half of the run to the whole: half-width ~ steps**-1, so a gap of
-    # +0.2 % with a band of 0.1 % (distance 0.05 % to the margin) needs 20 * (0.1 / 0.05)**1 = 40 steps
-    r = _judged(0.002, early=(0.002, -0.002, 0.0016)).recipes["fp8-current"]
-    assert r.verdict == "inconclusive" and r.steps_to_settle in (40, 41)  # 41: the ceiling of 40 + rounding
-    assert f"about {r.steps_to_settle} steps would settle it" in r.reasons[0]
-    # a band that did not narrow: no number of steps of this run settles it
-    flat = _judged(0.002).recipes["fp8-current"]
-    assert flat.steps_to_settle == -1 and "no number of steps" in flat.reasons[0]
+def test_null_runs_to_settle_from_the_spread_of_equally_good_runs():
+    # estimate 0.16 %: 0.09 % from the margin. With the spread s of the 4 runs, n runs give a half-width
+    # t(n-1) s sqrt(1 + 1/n): 4 -> 0.110 %, 5 -> 0.094 %, 6 -> 0.086 % < 0.09 %: 6 runs, 5 null runs
+    spread = statistics.stdev((0.0, *NULLS))
+    halves = {n: statistics_t(n - 1) * spread * math.sqrt(1 + 1 / n) for n in (5, 6)}
+    assert halves[5] > 0.0009 > halves[6]
+    r = _judged(0.0016 + CENTRE).recipes["fp8-current"]
+    assert r.verdict == "inconclusive" and r.null_runs_to_settle == 5
+    assert "about 5 null runs would settle it (--null-runs 5)" in r.reasons[0]
+    # 0.01 % from the margin: one run of the recipe scatters by more than that on its own
+    close = _judged(0.0024 + CENTRE).recipes["fp8-current"]
+    assert close.null_runs_to_settle == -1 and "no number of null runs" in close.reasons[0]
+
+
+def test_a_recipe_with_null_runs_of_its_own_brings_its_own_spread():
+    own = (0.001, -0.001)  # the recipe's own null runs, relative to the recipe's run
+    gap = 0.0005
+    rows = [
+        row
+        for k, offset in enumerate(own, start=1)
+        for row in _synthetic(
+            f"fp8-current~null{k}", [2.0 * (1 + gap + offset)] * 20, [2.0 * (1 + gap + offset)] * 2
+        )
+    ]
+    r = _judged(gap, *rows).recipes["fp8-current"]
+    cands, refs = [gap, gap + own[0], gap + own[1]], [0.0, *NULLS]
+    se = math.sqrt(statistics.variance(cands) / 3 + statistics.variance(refs) / 4)
+    dof = se**4 / ((statistics.variance(cands) / 3) ** 2 / 2 + (statistics.variance(refs) / 4) ** 2 / 3)
+    assert 2 <= dof < 3  # Welch-Satterthwaite, rounded down to 2: t = 4.303
+    estimate = statistics.mean(cands) - statistics.mean(refs)
+    assert r.interval["estimate"] == pytest.approx(estimate)
+    assert r.interval["high"] - r.interval["low"] == pytest.approx(2 * 4.302652729911275 * se)
+
+    # which recipes get null runs: every judged recipe by default; with recipe_null_runs=False every
+    # baseline, and every recipe judged against fp32 (whose runs barely scatter, so they cannot stand in
+    # for the recipe's own scatter)
+    def targets(recipes, **kw):
+        return CompareConfig(recipes=recipes, **kw).null_run_targets()
+
+    assert targets(("fp32", "bf16", "fp8-delayed")) == ["fp32", "bf16", "fp8-delayed"]
+    assert targets(("fp32", "bf16", "fp8-delayed"), recipe_null_runs=False) == ["fp32", "bf16"]
+    assert targets(("fp32", "fp8-delayed"), recipe_null_runs=False) == ["fp32", "fp8-delayed"]
+    assert targets(("bf16", "fp8-current"), baseline="bf16", recipe_null_runs=False) == ["bf16"]
+    chosen = targets(
+        ("bf16", "fp8-current", "fp8-delayed"), baseline="bf16", recipe_null_runs=("fp8-delayed",)
+    )
+    assert chosen == ["bf16", "fp8-delayed"]
+    with pytest.raises(MixprecError, match="recipe_null_runs names recipes not compared: fp8-rowwise"):
+        CompareConfig(recipes=("bf16", "fp8-current"), recipe_null_runs=("fp8-rowwise",)).validate()
+
+
+def statistics_t(dof: int) -> float:
+    return {4: 2.7764451051977987, 5: 2.5705818366147395}[dof]  # Student's t at 0.975 (tabulated)
 
 
 def test_nan_and_statistics_beyond_their_limits_make_a_recipe_worse_whatever_its_gap():
@@ -340,17 +411,16 @@ def test_without_null_runs_the_interval_is_the_bootstrap_alone_and_the_check_is_
     s = _judged(0.001, nulls=())
     r = s.recipes["fp8-current"]
     assert r.band_train is None and r.interval["low"] == pytest.approx(0.001)
-    assert r.verdict == "equivalent" and "the band is not measured" in r.reasons[0]
+    assert r.verdict == "equivalent" and "no null runs" in r.reasons[0]
     assert s.bands == {}
     check = _judged(0.0).bands["bf16"]["null_check"]
-    # null run 1 at +0.05 % against the others' band of 0.1 %: [-0.05 %, +0.15 %], both readings equivalent
-    assert check["verdict"] == check["symmetric_verdict"] == "equivalent"
-    assert check["interval"]["low"] == pytest.approx(-0.0005) and check["interval"]["high"] == pytest.approx(
-        0.0015
-    )
-    lopsided = _judged(0.0, nulls=(-0.003, 0.0001, -0.0001)).bands["bf16"]["null_check"]
-    # null run 1 at -0.3 %: not within ±0.25 % (the verdict is two-sided; `symmetric_verdict` equals it)
-    assert lopsided["verdict"] == lopsided["symmetric_verdict"] == "inconclusive"
+    # null run 1 (+0.02 %) against the baseline and null runs 2 and 3 [0, -0.04 %, +0.03 %]:
+    # +0.0233 % ± t2 x 0.0351 % x sqrt(1 + 1/3), within ±0.25 %
+    others = (0.0, -0.0004, 0.0003)
+    half = 4.302652729911275 * statistics.stdev(others) * math.sqrt(1 + 1 / 3)
+    assert check["verdict"] == "equivalent" and check["against"] == ["bf16", "bf16~null2", "bf16~null3"]
+    assert check["interval"]["estimate"] == pytest.approx(0.0002 - statistics.mean(others))
+    assert check["interval"]["high"] - check["interval"]["low"] == pytest.approx(2 * half)
 
 
 def test_strict_makes_inconclusive_fail():

@@ -19,7 +19,9 @@ def test_demo_defaults_are_the_documented_comparison():
     cfg = demo_config()
     assert cfg.recipes == DEMO_RECIPES == ("bf16", "fp8-delayed", "fp8-current", "fp8-unscaled")
     assert NEGATIVE_CONTROLS == ("fp8-unscaled",)
-    assert cfg.baseline == "bf16" and cfg.null_runs == 3  # every FP8 recipe against bf16 and its band
+    assert cfg.baseline == "bf16" and cfg.null_runs == 3  # every FP8 recipe against bf16 and its runs
+    # the real recipes measure their own scatter; the negative control is judged without
+    assert cfg.null_run_targets() == ["bf16", "fp8-delayed", "fp8-current"]
     assert cfg.data is None and cfg.model_dir is None  # the stdlib corpus and the built-in model
     cfg.validate()
 

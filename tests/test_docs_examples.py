@@ -34,6 +34,8 @@ WORKFLOW_PAGES = {
     "serving.md",
     "checkpoints.md",
     "profile.md",
+    "fp4.md",
+    "auto.md",
 }
 # pages whose examples take more than a few seconds (training steps, calibration, exports, torchrun);
 # `pytest -q` runs them too, `-m "not slow"` leaves them out
@@ -46,6 +48,8 @@ SLOW_PAGES = {
     "distributed.md",
     "serving.md",
     "checkpoints.md",
+    "fp4.md",
+    "auto.md",
 }
 RUN_LANGS = ("python", "bash")
 BASH_TIMEOUT_S = 600

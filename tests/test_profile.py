@@ -22,13 +22,14 @@ from torch import nn
 
 from mixprec.cli import main
 from mixprec.errors import MixprecError
-from mixprec.formats import E5M2
+from mixprec.formats import E5M2, decode
 from mixprec.monitor import PrecisionMonitor
 from mixprec.quantization import quantize
 from mixprec.recipes import RECIPES, ROLES, Fp8Recipe, from_name
 from mixprec.scaling import Granularity
 from mixprec.sensitivity import Profile, profile_model, quantizing_recipes, write_profile
 from mixprec.training import advance_scaling_state, convert_for_training
+from mixprec.training.fp8_linear import rounding_key
 
 PASSES = 3
 TE_DELAYED = "fp8-delayed:growing=false"
@@ -87,11 +88,11 @@ def _expanded(scale: torch.Tensor, g: Granularity, rows: int, cols: int) -> torc
     return scale[r[:, None], c[None, :]]
 
 
-def _reference(tensors: list[torch.Tensor], recipe, role: str) -> list[dict]:
+def _reference(tensors: list[torch.Tensor], recipe, role: str, layer: str = "") -> list[dict]:
     op = recipe.operand(role, False)
     amaxes: list[float] = []
     out = []
-    for t in tensors:
+    for step, t in enumerate(tensors):
         x = t.float().reshape(-1, t.shape[-1])
         scale = None
         if recipe.name == "fp8-unscaled":
@@ -105,9 +106,11 @@ def _reference(tensors: list[torch.Tensor], recipe, role: str) -> list[dict]:
                 ref = amax
             scale = torch.tensor(ref, dtype=torch.float32) / op.fmt.max
             amaxes.append(amax)
-        q = quantize(t, op.fmt, op.granularity, scale=scale, power_of_two=op.power_of_two)
-        s = _expanded(q.scale, op.granularity, *x.shape)
-        payload = q.data.float()
+        # FP4 gradients: the stochastic rounding the FP4 run draws at this step (rank 0, first backward)
+        key = rounding_key(recipe.seed, step, 0, layer, "grad_input", role) if op.stochastic else None
+        q = quantize(t, op.fmt, op.granularity, scale=scale, power_of_two=op.power_of_two, rounding_key=key)
+        s = _expanded(q.effective_scale(), op.granularity, *x.shape)  # NVFP4: block scale / global scale
+        payload = decode(q.data, op.fmt)  # the payload's values (FP4 payloads are uint8 codes)
         deq = (payload * s).double()
         out.append(
             {
@@ -131,7 +134,7 @@ def test_profile_counts_equal_quantizing_the_same_tensors_with_every_recipe():
     for layer in ("0", "2"):
         for role in ROLES:
             for spec in profile.recipes:
-                want = _reference(seen[(layer, role)], from_name(spec), role)
+                want = _reference(seen[(layer, role)], from_name(spec), role, layer)
                 cell = profile.cell(layer, role, spec)
                 assert len(cell.passes) == PASSES
                 for got, ref in zip(cell.passes, want):

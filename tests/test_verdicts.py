@@ -1,6 +1,7 @@
 """The shared verdict vocabulary: decisions at the boundaries, the bootstrap against closed forms."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -16,7 +17,10 @@ from mixprec.verdicts import (
     mean_difference,
     paired_bootstrap,
     perplexity_change,
+    references_to_settle,
+    replicate_interval,
     samples_to_settle,
+    student_t_quantile,
 )
 
 
@@ -139,3 +143,49 @@ def test_ratio_of_sums_weighs_samples_by_their_size():
 )
 def test_decide_equivalence_is_two_sided_and_worse_only_above(low, high, verdict):
     assert decide_equivalence(low, high, margin=0.0025) == verdict
+
+
+def test_student_t_quantile_against_tabulated_values():
+    # Student's t quantiles (tabulated; e.g. scipy.stats.t.ppf): heavy tails at few degrees of freedom
+    table = {(0.975, 1): 12.706204736174707, (0.975, 2): 4.302652729911275, (0.975, 3): 3.182446305284263,
+             (0.975, 5): 2.5705818366147395, (0.975, 10): 2.2281388519649385, (0.975, 30): 2.0422724563012373,
+             (0.95, 4): 2.13184678632665, (0.995, 1): 63.65674116287399}  # fmt: skip
+    for (p, dof), value in table.items():
+        assert student_t_quantile(p, dof) == pytest.approx(value, rel=1e-8), (p, dof)
+    # towards the normal quantile 1.95996, plus (z**3 + z) / (4 dof) at many degrees of freedom
+    assert student_t_quantile(0.975, 100_000) == pytest.approx(1.959963984540054 + 9.49 / 400_000, rel=1e-7)
+    with pytest.raises(ValueError, match="p must be"):
+        student_t_quantile(0.4, 3)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        student_t_quantile(0.975, 0)
+
+
+def test_replicate_interval_is_the_t_prediction_interval_and_covers_equally_good_runs():
+    refs = [0.0, 0.001, -0.002, 0.0005]
+    iv = replicate_interval(0.003, refs)
+    centre, spread = statistics.mean(refs), statistics.stdev(refs)
+    half = 3.182446305284263 * spread * math.sqrt(1 + 1 / 4)
+    assert iv.estimate == pytest.approx(0.003 - centre)
+    assert (iv.low, iv.high) == (pytest.approx(iv.estimate - half), pytest.approx(iv.estimate + half))
+    assert iv.samples == 4
+    # coverage: a fifth run drawn like the four lands inside its interval ~95 % of the time
+    gen = torch.Generator().manual_seed(3)
+    draws = torch.randn(4000, 5, generator=gen, dtype=torch.float64)
+    inside = sum(
+        1 for row in draws.tolist() if (lambda i: i.low <= 0 <= i.high)(replicate_interval(row[4], row[:4]))
+    )
+    assert 0.94 <= inside / 4000 <= 0.96
+    with pytest.raises(ValueError, match="at least 2 reference runs"):
+        replicate_interval(0.0, [0.1])
+
+
+def test_references_to_settle():
+    spread = 0.0005
+    # estimate 0.1 %, margin 0.25 %: distance 0.15 %; t(n-1) x 0.05 % x sqrt(1 + 1/n) < 0.15 % needs
+    # t sqrt(1 + 1/n) < 3: n = 5 gives 2.776 x 1.095 = 3.04, n = 6 gives 2.571 x 1.080 = 2.78
+    iv = Interval(0.001, 0.001 - 0.003, 0.001 + 0.003, level=0.95, samples=4)
+    assert references_to_settle(iv, margin=0.0025, spread=spread) == 6
+    # 0.01 % from the margin: one run's own scatter (1.96 x 0.05 %) is wider: no number of runs
+    close = Interval(0.0024, 0.0, 0.0048, level=0.95, samples=4)
+    assert references_to_settle(close, margin=0.0025, spread=spread) == -1
+    assert references_to_settle(Interval(0.0, -0.001, 0.001, 0.95, 4), margin=0.0025, spread=spread) is None

@@ -26,7 +26,9 @@ _EXPORTS = {
     "enable_fast_paths": "mixprec.training:enable_fast_paths",
     "export_for_inference": "mixprec.training:export_for_inference",
     "load_quantized": "mixprec.inference:load_quantized",
-    "quantize_model_": "mixprec.inference:quantize_model_",
+    # scheme "auto" chooses per layer (mixprec.sensitivity, above the inference wing); others go on to
+    # mixprec.inference.quantize_model_ unchanged
+    "quantize_model_": "mixprec.sensitivity.automatic:quantize_model_",
     "quantize_checkpoint": "mixprec.inference:quantize_checkpoint",
     "save_quantized": "mixprec.inference:save_quantized",
     "evaluate": "mixprec.evaluation.runner:evaluate",

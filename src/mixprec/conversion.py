@@ -90,8 +90,8 @@ class ConversionReport:
 
     @property
     def converted(self) -> list[str]:
-        """Modules that run FP8 GEMMs."""
-        return self.names("fp8")
+        """Modules that run FP8 (or FP4) GEMMs."""
+        return self.names(("fp8", "fp4"))  # type: ignore[arg-type]  (str.startswith takes a tuple)
 
     @property
     def skipped(self) -> list[str]:
@@ -149,7 +149,9 @@ class ConversionReport:
             if not show_all and e.role in ("container", "stateless"):
                 continue
             style = (
-                "green" if e.precision.startswith("fp8") else ("red" if "skipped" in e.precision else None)
+                "green"
+                if e.precision.startswith(("fp8", "fp4"))
+                else ("red" if "skipped" in e.precision else None)
             )
             t = e.type if e.converted_to is None else f"{e.type} -> {e.converted_to}"
             table.add_row(e.name or "(root)", t, e.role, e.precision, e.reason, style=style)

@@ -494,6 +494,24 @@ def decode(payload: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     return payload.float()
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, one per byte, last dim even) packed two per byte: element 2i in the low
+    nibble, 2i+1 in the high one (the FP4 layout of compressed-tensors, ModelOpt and vLLM)."""
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
+        raise MixprecError(
+            f"pack_nibbles takes uint8 codes with an even last dim, got {codes.dtype} {tuple(codes.shape)}"
+        )
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: uint8 [..., n] -> 4-bit codes uint8 [..., 2n]."""
+    if packed.dtype != torch.uint8:
+        raise MixprecError(f"unpack_nibbles takes uint8, got {packed.dtype}")
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
 _E4M3_NAN_MAGNITUDE = 0x7F  # S.1111.111: the only NaN codes of E4M3 ("fn": no infinities)
 
 

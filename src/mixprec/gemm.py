@@ -3,7 +3,9 @@
     out = scaled_mm(q_a, q_b, out_dtype=torch.bfloat16)     # q_a: [M, K], q_b: [N, K] QuantizedTensors
 
 Operands are quantized with scales constant along K inside a kernel's K-block: per tensor, per row
-(1, None), tiles (1, 128), blocks (128, 128), MX (1, 32). Scales that vary along K element by element
+(1, None), tiles (1, 128), blocks (128, 128), MX (1, 32), NVFP4 (1, 16) and (16, 16) with E4M3 block
+scales times a per-tensor global scale (the multiplier is QuantizedTensor.effective_scale(): block
+scale / global scale in fp32, as compressed-tensors and vLLM dequantize). Scales that vary along K element by element
 (per column, (None, 1) or (128, 1) on the [rows, K] view) are refused: no kernel runs them, so the
 emulation never uses them either. Training's backward GEMMs take transposed operands re-quantized
 along their new K (see mixprec.recipes).
@@ -21,6 +23,9 @@ Backends
   here: tensorwise with fp32 output is a reference loop, ~30x slower at 256³, ~250x at 512³;
   rowwise with bf16 output ~1.7x slower at 2048x1024x1024), so "auto" emulates on CPU; "native"
   still runs it (tests compare the two).
+  FP4 (E2M1 payloads, NVFP4 and MXFP4 scales): emulated everywhere. kernels.hardware reports FP4
+  tensor cores (SM 10.0+, fp4_native); native FP4 GEMMs (swizzled scale layouts) are not wired up
+  yet, and native_available says so.
 
 Operands come from mixprec.quantization (the one quantizer); this module holds no quantizer. It only
 re-views payloads: `transpose_quantized` reuses a symmetric blocking's payload and scales for the
@@ -57,13 +62,19 @@ def transpose_quantized(q: QuantizedTensor) -> QuantizedTensor:
     """The transposed 2-D operand from the same payload and scales, when the blocking is symmetric
     under transposition (per tensor, square blocks): no re-quantization needed, bit-identical to it."""
     g = q.granularity
-    if g.block_rows != g.block_cols or g.scale_format != "fp32":
+    if not transposable(g):
         raise MixprecError(f"{g.name} scales change under transposition: re-quantize along the new K instead")
     t = as_transposed(q, g)
     values = getattr(q, "values", None)
     if values is not None:
-        return DecodedTensor(t.data, t.scale, t.fmt, g, t.shape, values.t())
+        return DecodedTensor(t.data, t.scale, t.fmt, g, t.shape, t.global_scale, values=values.t())
     return t
+
+
+def transposable(g: Granularity) -> bool:
+    """Whether the transposed operand reuses the payload and scales (per tensor, square blocks with
+    fp32 or NVFP4 E4M3 scales; a square block's one scale and the global scale do not change)."""
+    return g.block_rows == g.block_cols and g.scale_format in ("fp32", "e4m3")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,13 +111,14 @@ def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
     rows, cols = q.data.shape
     br, bc = q.granularity.block_shape(rows, cols)
     if torch.compiler.is_compiling():  # out of place, no data_ptr() (a graph break); same products
-        return decode(q.data, q.fmt) * expand_scale(q.scale, q.granularity, rows, cols)
+        return decode(q.data, q.fmt) * expand_scale(q.effective_scale(), q.granularity, rows, cols)
     # the CPU's E4M3 decode gives values * 2^-8 (formats.decode_unscaled): the 2^8 joins the scales,
     # exactly (a power of two), so each product is the same real number as decoded value * scale
     values, factor = decode_unscaled(q.data, q.fmt)
-    scale = _folded_scale(q.scale, factor)
+    multiplier = q.effective_scale()
+    scale = _folded_scale(multiplier, factor)
     if scale is None:  # scales near fp32's maximum: the exact values instead
-        values, scale = values.mul_(factor), q.scale
+        values, scale = values.mul_(factor), multiplier
     if values.data_ptr() == q.data.data_ptr():
         values = values.clone()
     if rows % br == 0 and cols % bc == 0:
@@ -136,7 +148,9 @@ class DecodedTensor(QuantizedTensor):
 
 
 def with_decoded(q: QuantizedTensor) -> DecodedTensor:
-    return DecodedTensor(q.data, q.scale, q.fmt, q.granularity, q.shape, decode(q.data, q.fmt))
+    return DecodedTensor(
+        q.data, q.scale, q.fmt, q.granularity, q.shape, q.global_scale, values=decode(q.data, q.fmt)
+    )
 
 
 def _values_unscaled(q: QuantizedTensor) -> tuple[torch.Tensor, float]:
@@ -164,8 +178,8 @@ def _emulated(
     (va, fa), (vb, fb) = _values_unscaled(a), _values_unscaled(b)
     vb = vb.t()
     # K-constant scales: one column, expanded along the rows to [rows, 1] (or kept [1, 1])
-    sa = expand_scale(a.scale, a.granularity, *a.data.shape)
-    sb = expand_scale(b.scale, b.granularity, *b.data.shape).t()
+    sa = expand_scale(a.effective_scale(), a.granularity, *a.data.shape)
+    sb = expand_scale(b.effective_scale(), b.granularity, *b.data.shape).t()
     # decoded values times 2^-8 (formats.decode_unscaled): exact, the sums scale with them (they stay
     # far above fp32's subnormals), so the power of two moves into a's scale, which multiplies the sums
     # first: every product below is the same real number as without it, bit-identically
@@ -192,11 +206,12 @@ def _emulated(
         last = sb
     # the last scale and the bias in fp32, in place, then one rounding to out_dtype. (One fused
     # torch.mul(..., out=<bf16 tensor>) would save a pass, but mixed-dtype kernels are scalar code on
-    # the CPU: ~5x slower than these two vectorized passes.)
-    if bias is None:
-        out.mul_(last)
-    else:
-        torch.addcmul(bias.float(), out, last, out=out)
+    # the CPU: ~5x slower than these two vectorized passes.) The bias is added after the product is
+    # rounded, never fused into it: eager addcmul rounds once (an FMA) where Inductor's mul + add
+    # rounds twice, so a compiled model would differ in the last bit (as vLLM's CPU kernel: product, then bias)
+    out.mul_(last)
+    if bias is not None:
+        out.add_(bias.float())
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
@@ -218,6 +233,8 @@ def _capabilities():
 def native_kind(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     """Which native kernel family takes this pair of operands on their device, or None."""
     ga, gb = a.granularity, b.granularity
+    if a.fmt.bits == 4 or b.fmt.bits == 4:
+        return "fp4" if a.fmt == b.fmt and ga.scale_format == gb.scale_format != "fp32" else None
     if ga.scale_format != "fp32" or gb.scale_format != "fp32":
         return "mx" if ga == gb and ga.block_cols == 32 and ga.block_rows == 1 else None
     if (ga.block_rows, ga.block_cols, gb.block_rows, gb.block_cols) == (None, None, None, None):
@@ -247,6 +264,8 @@ def native_available(
     kind = native_kind(a, b)
     if kind is None:
         return False, f"no native kernel takes {a.granularity.name} x {b.granularity.name} scales"
+    if kind == "fp4":
+        return False, fp4_native_reason(a.data.device)
     if a.fmt.torch_dtype is None or b.fmt.torch_dtype is None:
         return False, f"{a.fmt.name}/{b.fmt.name} payloads are not torch FP8 dtypes"
     if a.fmt.name == "e5m2" and b.fmt.name == "e5m2":
@@ -277,6 +296,15 @@ def native_available(
             return False, "torch._scaled_mm does not run on this CPU build"
         return True, ""
     return False, f"no native FP8 GEMM on device {a.data.device.type}"
+
+
+def fp4_native_reason(device: torch.device) -> str:
+    """Why an FP4 GEMM on `device` is emulated (FP4 tensor cores detected, or not)."""
+    if device.type != "cuda":
+        return f"no native FP4 GEMM on device {device.type}"
+    if not _capabilities().fp4_native:
+        return "this GPU has no FP4 tensor cores (SM 10.0+ with torch's float4_e2m1fn_x2)"
+    return "native FP4 GEMMs are not wired up yet (SM 10.0+, swizzled E4M3 / E8M0 scales): emulated"
 
 
 def _native(
@@ -370,11 +398,13 @@ __all__ = [
     "DecodedTensor",
     "check_operand",
     "dequantize_blockwise",
+    "fp4_native_reason",
     "fp8_gemm_dims_ok",
     "k_block",
     "native_available",
     "native_kind",
     "scaled_mm",
+    "transposable",
     "transpose_quantized",
     "will_emulate",
     "with_decoded",

@@ -18,11 +18,21 @@ any slice of a tensor computes its own part of the noise from its global indices
 (FSDP2) rounds exactly like the whole tensor without drawing the whole tensor's noise on every rank.
 The stream's state is one integer (the draw counter), saved in checkpoints so a resumed run continues
 with the same noise.
+
+Stochastic rounding onto a low-precision grid (FP4 E2M1 gradients of NVFP4 training):
+`stochastic_round_to_grid(v, key, mantissa_bits=, emin=, max_value=)` rounds already-scaled fp32
+values to one of their two neighbours on the grid of a binary format (normals and subnormals), up with
+probability (v - lower) / step, from 24 bits of the same hash: unbiased up to 2^-24 of a grid step
+(an fp32 value in [1, 4) has 22 bits below E2M1's one mantissa bit: exactly unbiased there). Its key is
+`stream_key(seed, step, rank, tensor)`: a resumed run draws the same noise for the same step, and two
+ranks never share a key (the rank enters last, through a bijection), so their noise differs at every
+element index.
 """
 
 from __future__ import annotations
 
 import sys
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +191,57 @@ def stochastic_round_pair_into(
             out.copy_((bits & -65536).view(torch.float32).view(out.shape))
 
 
+def stream_key(seed: int, step: int, rank: int, tensor: int) -> int:
+    """The noise key of one quantization: (seed, optimizer step, data-parallel rank, tensor id).
+    hash32 is a bijection on 32 bits and the rank is added last, so for one (seed, step, tensor) two
+    ranks (< 2^32) always get different keys."""
+    return hash32(hash32(hash32(hash32(int(seed)) + int(step)) + int(tensor)) + int(rank))
+
+
+def tensor_id(name: str) -> int:
+    """A stable 32-bit id of a tensor's name (CRC-32: the same in every process, unlike hash())."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def uniform24(index: torch.Tensor, key: int) -> torch.Tensor:
+    """int32 element indices -> uniform integers in [0, 2^24) (the top 24 bits of hash_), a new tensor."""
+    h = hash_(index.to(torch.int32).clone(), key)
+    return h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+
+
+def stochastic_round_to_grid(
+    v: torch.Tensor,
+    key: int,
+    *,
+    mantissa_bits: int,
+    emin: int,
+    max_value: float,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 values -> fp32 values on the grid of a binary format, rounded stochastically (unbiased).
+
+    The grid step at |v| is 2^(max(floor(log2|v|), emin) - mantissa_bits) (subnormals below 2^emin);
+    |v| rounds up to the next grid value with probability (|v| - lower) / step, decided by
+    u < frac with u = uniform24 / 2^24; values already on the grid stay. |v| >= max_value gives
+    max_value (saturation); NaN stays NaN. Everything is exact fp32 arithmetic (powers of two).
+    index: the elements' int32 indices in the whole tensor (default: row-major over v).
+    """
+    x = v.float()
+    a = x.abs()
+    _, exp = torch.frexp(a)  # a = m * 2^exp with m in [0.5, 1): floor(log2 a) = exp - 1
+    e = torch.clamp(exp - 1, min=emin)
+    step = torch.ldexp(torch.ones_like(a), e - mantissa_bits)
+    t = a / step  # exact: a power-of-two division
+    lower = torch.floor(t)
+    frac = t - lower  # exact
+    idx = flat_indices(tuple(x.shape), device=x.device) if index is None else index.reshape(x.shape)
+    u = uniform24(idx, key).to(torch.float32) * 2.0**-24
+    up = (u < frac).to(torch.float32)
+    r = torch.clamp((lower + up) * step, max=max_value)
+    r = torch.where(a >= max_value, torch.full_like(a, max_value), r)
+    return torch.where(torch.isnan(x), x, torch.copysign(r, x))
+
+
 __all__ = [
     "NoiseStream",
     "flat_indices",
@@ -189,4 +250,8 @@ __all__ = [
     "noise16_",
     "stochastic_round",
     "stochastic_round_pair_into",
+    "stochastic_round_to_grid",
+    "stream_key",
+    "tensor_id",
+    "uniform24",
 ]

@@ -15,6 +15,10 @@ is (None, 1), DeepSeek-V3 tiles are (1, 128) / (128, 1) and weight blocks (128, 
 along it is smaller and gets its own scale from the elements it has (the scale grid is
 ceil(rows / block_rows) x ceil(cols / block_cols), as compressed-tensors' block layout stores it).
 
+NVFP4 (scale_format "e4m3") is two-level: one fp32 global scale per tensor, E4M3.max * fmt.max / amax,
+and E4M3 block scales in its units, E4M3(global * amax(block) / fmt.max); the dequantization multiplier
+is block / global (QuantizedTensor.effective_scale), the layout compressed-tensors, ModelOpt and vLLM use.
+
 Scales are never 0, inf or NaN: amax is taken over the finite elements of a block (inf elements then
 saturate to +-max; NaN elements stay NaN in formats that have NaN); an all-zero block gets scale 1
 (2^-127 for E8M0 scales, the smallest code); a scale that would underflow fp32 is raised to the
@@ -29,9 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E8M0, Format, decode, encode, get_format, pow2
+from mixprec.formats import E4M3, E8M0, Format, decode, encode, get_format, pow2
 
 _FP32_TINY = torch.finfo(torch.float32).tiny
+SCALE_FORMATS = ("fp32", "e8m0", "e4m3")
+MX_ROUNDINGS = ("floor", "rceil", "even")
+# a block scale that rounds to 0 in E4M3 is stored as this (compressed-tensors' rule: its E4M3 "eps")
+E4M3_ZERO_SCALE = 0.125
 
 
 @dataclass(frozen=True)
@@ -40,17 +48,26 @@ class Granularity:
 
     block_rows: int | None
     block_cols: int | None
-    scale_format: str = "fp32"  # "fp32", or "e8m0" for OCP MX power-of-two scales
-    mx_rounding: str = "floor"  # E8M0 only: "floor" (OCP MX v1.0) or "rceil" (round the scale up)
+    # "fp32"; "e8m0" for OCP MX power-of-two scales; "e4m3" for NVFP4: E4M3 block scales in the units
+    # of one fp32 per-tensor global scale (QuantizedTensor.global_scale)
+    scale_format: str = "fp32"
+    # E8M0 only: "floor" (OCP MX v1.0), "rceil" (round the scale up: TransformerEngine / cuBLAS) or
+    # "even" (torchao's; compressed-tensors' mxfp4): see compute_mx_scale
+    mx_rounding: str = "floor"
+    # E4M3 only: "fp32" computes amax/max and the global scale in fp32 (TransformerEngine); "input"
+    # rounds both to the input's dtype first, as compressed-tensors / llm-compressor do (bf16 weights)
+    scale_math: str = "fp32"
 
     def __post_init__(self) -> None:
         for side in (self.block_rows, self.block_cols):
             if side is not None and (not isinstance(side, int) or side < 1):
                 raise MixprecError(f"block sides must be positive integers or None, got {side!r}")
-        if self.scale_format not in ("fp32", "e8m0"):
-            raise MixprecError(f"scale_format must be 'fp32' or 'e8m0', got {self.scale_format!r}")
-        if self.mx_rounding not in ("floor", "rceil"):
-            raise MixprecError(f"mx_rounding must be 'floor' or 'rceil', got {self.mx_rounding!r}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise MixprecError(f"scale_format must be one of {SCALE_FORMATS}, got {self.scale_format!r}")
+        if self.mx_rounding not in MX_ROUNDINGS:
+            raise MixprecError(f"mx_rounding must be one of {MX_ROUNDINGS}, got {self.mx_rounding!r}")
+        if self.scale_math not in ("fp32", "input"):
+            raise MixprecError(f"scale_math must be 'fp32' or 'input', got {self.scale_math!r}")
 
     @classmethod
     def tensor(cls) -> Granularity:
@@ -77,6 +94,12 @@ class Granularity:
             return cls(size, 1, "e8m0", rounding)
         raise MixprecError(f"MX blocks run along axis -1 or 0 of the 2-D view, got axis={axis}")
 
+    @classmethod
+    def nvfp4(cls, block_rows: int = 1, block_cols: int = 16, scale_math: str = "fp32") -> Granularity:
+        """NVFP4 blocks: E4M3 block scales times one fp32 global scale; 1x16 along K, or 16x16 (2-D
+        weight blocks of TransformerEngine's recipe). scale_math="input" for compressed-tensors' rule."""
+        return cls(block_rows, block_cols, "e4m3", "floor", scale_math)
+
     @property
     def name(self) -> str:
         if self.scale_format == "e8m0":
@@ -84,8 +107,11 @@ class Granularity:
             return (
                 f"mx{size}"
                 + ("" if self.block_rows == 1 else "-col")
-                + ("-rceil" if self.mx_rounding == "rceil" else "")
+                + ("" if self.mx_rounding == "floor" else f"-{self.mx_rounding}")
             )
+        if self.scale_format == "e4m3":
+            shape = f"{self.block_cols}" if self.block_rows == 1 else f"{self.block_rows}x{self.block_cols}"
+            return f"nv{shape}" + ("-input" if self.scale_math == "input" else "")
         return {
             (None, None): "tensor",
             (1, None): "row",
@@ -94,7 +120,9 @@ class Granularity:
 
     def transposed(self) -> Granularity:
         """The same blocking for the transposed 2-D view (1x128 tiles become 128x1)."""
-        return Granularity(self.block_cols, self.block_rows, self.scale_format, self.mx_rounding)
+        return Granularity(
+            self.block_cols, self.block_rows, self.scale_format, self.mx_rounding, self.scale_math
+        )
 
     def block_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return (
@@ -204,14 +232,20 @@ def compute_mx_scale(amax: torch.Tensor, fmt: Format, rounding: str = "floor") -
 
     floor(log2 amax) comes from the exponent bits (frexp): torch.log2 in fp32 rounds values just below
     a power of two up to it and would give one too many. "rceil" instead takes the smallest power of
-    two >= amax / fmt.max, so nothing saturates. Exponents are clamped to E8M0's range [-127, 127];
-    an all-zero block gets 2^-127.
+    two >= amax / fmt.max, so nothing saturates. "even" (torchao's, which compressed-tensors uses for
+    MXFP4/MXFP6) first rounds amax to the element format's mantissa width (half up) and then takes
+    floor: a block whose amax would round past the top binade's last value gets the next power.
+    Block amax 1.75 gives E8M0 codes 125 / 126 / 126 (floor / rceil / even) in E2M1, 6.5 gives
+    127 / 128 / 127. Exponents are clamped to E8M0's range [-127, 127]; an all-zero block gets
+    2^-127 (code 0).
     """
-    if rounding == "floor":
+    if rounding in ("floor", "even"):
         # floor(log2 amax) is the biased exponent field minus 127 for normal fp32 (cheaper than frexp). A
         # subnormal amax (field 0) reads as -127 instead of its true exponent (<= -127): after
         # subtracting emax_elem >= 2 both clamp to -127, so the scale is the same.
         bits = amax.float().contiguous().view(torch.int32)
+        if rounding == "even":  # add half of the element's last mantissa place: a carry bumps the field
+            bits = bits + (1 << (23 - fmt.mantissa_bits - 1))
         k = ((bits >> 23) & 0xFF) - 127 - fmt.emax
     else:
         ratio = amax.float() / fmt.max
@@ -222,13 +256,63 @@ def compute_mx_scale(amax: torch.Tensor, fmt: Format, rounding: str = "floor") -
     return pow2(k.clamp(E8M0.emin, E8M0.emax))
 
 
+def global_scale_from_amax(
+    amax: torch.Tensor | float, fmt: str | Format, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """NVFP4's per-tensor global scale, E4M3.max * fmt.max / amax (448 * 6 / amax for E2M1), as a
+    one-element fp32 tensor: the factor that maps the tensor's amax onto the top of the E4M3 block
+    scales' range. dtype=None: one fp32 division. dtype given: compressed-tensors' arithmetic in that
+    dtype (the weight's own): its `448 * 6 / amax` is torch's reverse division, amax.reciprocal() * 2688,
+    each step rounded to dtype (bf16: 788.0 where fp32 gives 789.14; and 2688 / 0.08447265625 gives
+    31744.0, not the correctly rounded 31872.0). amax 0, NaN or inf, or a scale that overflows, gives
+    1.0 (compressed-tensors' fallback)."""
+    fmt = get_format(fmt)
+    amax = torch.as_tensor(amax, dtype=torch.float32).float().reshape(1)
+    top = E4M3.max * fmt.max
+    if dtype is None:
+        g = top / amax.clamp(min=_FP32_TINY)
+    else:  # fp32 arithmetic rounded to dtype after each op: what torch's bf16/fp16 CPU kernels do
+        inverse = (1.0 / amax.to(dtype).float().clamp(min=torch.finfo(dtype).tiny)).to(dtype).float()
+        g = (inverse * top).to(dtype).float()
+    return torch.where(torch.isfinite(g) & (g > 0), g, torch.ones_like(g))
+
+
+def e4m3_block_scale(
+    amax: torch.Tensor, fmt: Format, global_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """NVFP4 block scales in the global scale's units: E4M3(global * (amax / fmt.max)), as fp32 values.
+
+    amax / fmt.max is rounded to `dtype` first (compressed-tensors computes it in the weight's dtype),
+    the product is rounded to nearest-even E4M3 (saturating at 448), and a scale that rounds to 0 (an
+    all-zero block, or one far below the tensor's amax) is stored as E4M3_ZERO_SCALE, so the
+    dequantization multiplier scale / global is never 0."""
+    per_block = (amax.float() / fmt.max).to(dtype).float()
+    s = (per_block * global_scale.float().reshape(1, 1)).clamp_(max=E4M3.max)
+    s = torch.where(torch.isfinite(s), s, torch.full_like(s, E4M3.max))
+    s = s.to(E4M3.torch_dtype).float()
+    return torch.where(s > 0, s, torch.full_like(s, E4M3_ZERO_SCALE))
+
+
 def scale_from_amax(
-    amax: torch.Tensor, fmt: Format, g: Granularity, margin: int = 0, power_of_two: bool = False
+    amax: torch.Tensor,
+    fmt: Format,
+    g: Granularity,
+    margin: int = 0,
+    power_of_two: bool = False,
+    *,
+    global_scale: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """THE amax -> scale rule of every quantize backend: OCP MX's for E8M0 scales (compute_mx_scale,
-    margin and power_of_two do not apply), else amax / (fmt.max * 2^margin) (compute_scale)."""
+    margin and power_of_two do not apply); NVFP4's for E4M3 scales (e4m3_block_scale, in the units of
+    `global_scale`, with amax / max rounded to `dtype` when g.scale_math is "input"); else
+    amax / (fmt.max * 2^margin) (compute_scale)."""
     if g.scale_format == "e8m0":
         return compute_mx_scale(amax, fmt, g.mx_rounding)
+    if g.scale_format == "e4m3":
+        if global_scale is None:
+            raise MixprecError("E4M3 block scales need the tensor's global scale")
+        return e4m3_block_scale(amax, fmt, global_scale, dtype if g.scale_math == "input" else torch.float32)
     return compute_scale(amax, fmt, margin, power_of_two)
 
 
@@ -294,18 +378,36 @@ def apply_blockwise(
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """Payload + scales + granularity; dequantize() is exact (payload * scale, in fp32)."""
+    """Payload + scales + granularity; dequantize() is exact (payload * scale, in fp32).
+
+    E4M3 (NVFP4) granularities carry a global scale: `scale` then holds the E4M3 block scales (as fp32
+    values) in its units and the dequantization multiplier is scale / global_scale, computed in fp32
+    (effective_scale), as compressed-tensors and vLLM compute it. Other granularities have none.
+    """
 
     data: torch.Tensor  # torch float8 dtype, or uint8 codes for formats torch lacks; 2-D [R, C]
     scale: torch.Tensor  # fp32, shape granularity.scale_shape(R, C); powers of two for E8M0 scales
     fmt: Format
     granularity: Granularity
     shape: torch.Size  # the original shape
+    global_scale: torch.Tensor | None = None  # fp32, one element; E4M3 scale formats only
+
+    def effective_scale(self) -> torch.Tensor:
+        """The dequantization multiplier per block: scale, or scale / global_scale (fp32)."""
+        if self.global_scale is None:
+            return self.scale
+        return self.scale / self.global_scale.float().reshape(1, 1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         values = decode(self.data, self.fmt)
-        out = apply_blockwise(values, self.scale, self.granularity, torch.mul)
+        out = apply_blockwise(values, self.effective_scale(), self.granularity, torch.mul)
         return out.reshape(self.shape).to(dtype)
+
+    def scale_e4m3(self) -> torch.Tensor:
+        """The E4M3 block scales as torch.float8_e4m3fn (exact: they are E4M3 values)."""
+        if self.granularity.scale_format != "e4m3":
+            raise MixprecError(f"{self.granularity.name} scales are not E4M3")
+        return self.scale.to(E4M3.torch_dtype)
 
     def scale_e8m0(self) -> torch.Tensor:
         """E8M0 codes (uint8) of power-of-two scales."""
@@ -315,8 +417,9 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        scale_bytes = self.scale.numel() * (1 if self.granularity.scale_format == "e8m0" else 4)
-        return self.data.numel() * self.data.element_size() + scale_bytes
+        scale_bytes = self.scale.numel() * (4 if self.granularity.scale_format == "fp32" else 1)
+        global_bytes = 0 if self.global_scale is None else 4
+        return self.data.numel() * self.data.element_size() + scale_bytes + global_bytes
 
 
 def as_transposed(q: QuantizedTensor, granularity: Granularity) -> QuantizedTensor:
@@ -324,7 +427,9 @@ def as_transposed(q: QuantizedTensor, granularity: Granularity) -> QuantizedTens
     granularity.transposed() on its own layout: a payload view, the scales transposed (no
     re-quantization; bit-identical to quantizing the transposed tensor)."""
     rows, cols = q.data.shape
-    return QuantizedTensor(q.data.t(), dense(q.scale.t()), q.fmt, granularity, torch.Size((cols, rows)))
+    return QuantizedTensor(
+        q.data.t(), dense(q.scale.t()), q.fmt, granularity, torch.Size((cols, rows)), q.global_scale
+    )
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -342,6 +447,9 @@ def quantization_snr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
 
 
 __all__ = [
+    "E4M3_ZERO_SCALE",
+    "MX_ROUNDINGS",
+    "SCALE_FORMATS",
     "Granularity",
     "QuantizedTensor",
     "apply_blockwise",
@@ -352,7 +460,9 @@ __all__ = [
     "compute_mx_scale",
     "compute_scale",
     "dense",
+    "e4m3_block_scale",
     "expand_scale",
+    "global_scale_from_amax",
     "quantization_snr_db",
     "round_scale_up_to_power_of_two",
     "scale_from_amax",

@@ -14,8 +14,9 @@ sample, a hard one) cancels in the difference. The same seed gives the same inte
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -159,6 +160,140 @@ def paired_bootstrap(
         level=level,
         samples=n,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def student_t_quantile(p: float, dof: float) -> float:
+    """The p-quantile of Student's t distribution with `dof` degrees of freedom (p in (0.5, 1)).
+
+    By bisection on the CDF, which is 1/2 plus Simpson's rule over the density from 0 to t (the
+    density is smooth and the integral bounded, so 4096 panels give ~1e-10; the tests check the
+    tabulated values). Written here rather than taken from SciPy, which is not a dependency.
+    """
+    if not (0.5 < p < 1):
+        raise ValueError(f"p must be in (0.5, 1), got {p}")
+    if not dof >= 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def cdf(t: float) -> float:
+        x = torch.linspace(0.0, t, 4097, dtype=torch.float64)
+        density = torch.exp(log_norm - (dof + 1) / 2 * torch.log1p(x * x / dof))
+        weights = torch.ones_like(x)
+        weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
+        return 0.5 + float((weights * density).sum()) * t / 4096 / 3
+
+    # Newton's method from the normal quantile's neighbourhood, kept inside a bracket that bisection
+    # shrinks whenever a Newton step leaves it (heavy tails at few degrees of freedom: t_1 at 0.975
+    # is 12.7)
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        low, high = high, high * 2
+    t = (low + high) / 2
+    for _ in range(100):
+        error = cdf(t) - p
+        if abs(error) < 1e-13:
+            break
+        low, high = (t, high) if error < 0 else (low, t)
+        step = t - error / math.exp(log_norm - (dof + 1) / 2 * math.log1p(t * t / dof))
+        t = step if low < step < high else (low + high) / 2
+    return t
+
+
+def replicate_interval(
+    candidate: float, references: Sequence[float], *, level: float = DEFAULT_LEVEL, method: str = ""
+) -> Interval:
+    """Interval of the difference between a candidate run's figure and the mean of `references` —
+    independent runs of the reference that are equally good by construction (the same training with a
+    rounding-level perturbation) — at `level`.
+
+    The runs' spread s (sample standard deviation, n - 1 degrees of freedom) is what an equally good
+    single run scatters by; the candidate is taken to scatter alike, so its difference to the mean of
+    n references scatters by s * sqrt(1 + 1/n), and the interval is that times Student's t quantile:
+    a figure outside it is not explained by the scatter of equally good runs.
+    """
+    refs = [float(r) for r in references]
+    n = len(refs)
+    if n < 2:
+        raise ValueError(f"a replicate interval needs at least 2 reference runs, got {n}")
+    if not all(math.isfinite(r) for r in refs) or not math.isfinite(candidate):
+        raise ValueError("replicate_interval: every figure must be finite")
+    centre = sum(refs) / n
+    spread = math.sqrt(sum((r - centre) ** 2 for r in refs) / (n - 1))
+    half = student_t_quantile(1 - (1 - level) / 2, n - 1) * spread * math.sqrt(1 + 1 / n)
+    estimate = candidate - centre
+    return Interval(estimate, estimate - half, estimate + half, level=level, samples=n,
+                    method=method or f"difference to the mean of {n} reference runs ± t·s·sqrt(1 + 1/{n})")  # fmt: skip
+
+
+def group_interval(
+    candidates: Sequence[float],
+    references: Sequence[float],
+    *,
+    level: float = DEFAULT_LEVEL,
+    method: str = "",
+) -> Interval:
+    """Interval of mean(candidates) - mean(references), two groups of independent, equally good runs
+    each, whose spreads may differ (Welch's interval: t with the Welch-Satterthwaite degrees of freedom,
+    rounded down, so never narrower than the exact one). One candidate run alone has no spread of its
+    own: it is taken to scatter like the references (`replicate_interval`)."""
+    cands = [float(c) for c in candidates]
+    if len(cands) < 2:
+        if not cands:
+            raise ValueError("group_interval needs at least one candidate run")
+        return replicate_interval(cands[0], references, level=level, method=method)
+    refs = [float(r) for r in references]
+    if len(refs) < 2:
+        raise ValueError(f"a group interval needs at least 2 reference runs, got {len(refs)}")
+    if not all(math.isfinite(v) for v in (*cands, *refs)):
+        raise ValueError("group_interval: every figure must be finite")
+    (mc, vc, nc), (mr, vr, nr) = (_moments(cands), _moments(refs))
+    se2 = vc / nc + vr / nr
+    estimate = mc - mr
+    half = 0.0
+    if se2 > 0:
+        dof = se2**2 / ((vc / nc) ** 2 / (nc - 1) + (vr / nr) ** 2 / (nr - 1))
+        half = student_t_quantile(1 - (1 - level) / 2, max(1, math.floor(dof))) * math.sqrt(se2)
+    return Interval(estimate, estimate - half, estimate + half, level=level, samples=nr,
+                    method=method or f"difference of the means of {nc} and {nr} runs (Welch)")  # fmt: skip
+
+
+def _moments(values: list[float]) -> tuple[float, float, int]:
+    """Mean, sample variance (n - 1) and count."""
+    n = len(values)
+    centre = sum(values) / n
+    return centre, sum((v - centre) ** 2 for v in values) / (n - 1), n
+
+
+def references_to_settle(
+    interval: Interval,
+    *,
+    margin: float,
+    spread: float,
+    candidate_spread: float | None = None,
+    level: float = DEFAULT_LEVEL,
+    most: int = 64,
+) -> int | None:
+    """How many runs would make an inconclusive equivalence interval decide, the estimate and the
+    spreads taken as fixed; None when it is already decided.
+
+    One candidate run (`candidate_spread` None): the number of reference runs, or -1 when no number
+    would: even a perfectly known reference mean leaves the candidate run's own scatter (z x spread),
+    wider than the distance to the margin. Candidate runs with a spread of their own: the number of
+    runs of EACH group (they then shrink together), or -1 beyond `most`.
+    """
+    if decide_equivalence(interval.low, interval.high, margin=margin) != INCONCLUSIVE:
+        return None
+    distance = min(abs(interval.estimate - margin), abs(interval.estimate + margin))
+    quantile = 1 - (1 - level) / 2
+    for n in range(interval.samples + 1, most + 1):
+        if candidate_spread is None:
+            half = student_t_quantile(quantile, n - 1) * spread * math.sqrt(1 + 1 / n)
+        else:
+            half = student_t_quantile(quantile, 2 * n - 2) * math.sqrt((spread**2 + candidate_spread**2) / n)
+        if half < distance:
+            return n
+    return -1
 
 
 def mean_difference(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

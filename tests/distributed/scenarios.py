@@ -235,7 +235,16 @@ def scenario_nan(rank, world, tmp):
     return out
 
 
-RECIPES = ("fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8", "bf16", "fp32")
+RECIPES = (
+    "fp8-current",
+    "fp8-rowwise",
+    "fp8-blockwise",
+    "fp8-mxfp8",
+    "fp4-nvfp4",
+    "fp4-mxfp4",
+    "bf16",
+    "fp32",
+)
 
 
 def scenario_recipes(rank, world, tmp):

@@ -238,3 +238,41 @@ def test_report_and_scales_file_say_how_much_ran_and_why_it_stopped(llama_dir, c
     doc = json.loads((tmp_path / "q" / "model.fp8_scales.json").read_text())
     assert doc["schema_version"] == 2
     assert {k: doc["calibration"][k] for k in cal} == cal
+
+
+# ---- compute: fp32 GEMMs rounded to the model dtype on CPUs without fast bf16 ------------------------
+
+
+def _bf16_mlp() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_bf16_calibration_forward_computes_gemms_in_fp32_where_bf16_is_slow(monkeypatch, fast_bf16):
+    """Without AVX-512-BF16/AMX the second Linear's input is relu(x W1ᵀ + b1) with the product of the
+    bf16 operands formed in fp32 and rounded once to bf16 (what a GPU bf16 GEMM gives); with them, the
+    native bf16 GEMM runs (the observers see its result)."""
+    from mixprec.kernels import bf16_cpu
+
+    monkeypatch.setattr(bf16_cpu, "cpu_has_fast_bf16", lambda: fast_bf16)
+    model = _bf16_mlp()
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    seen = []
+    original = bf16_cpu.Fp32ComputeMode.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(bf16_cpu.Fp32ComputeMode, "__torch_function__", spy)
+    result = calibrate(model, [x], ["0", "2"], stop=NEVER_STOP_EARLY)
+    w1, b1 = model[0].weight.detach(), model[0].bias.detach()
+    if fast_bf16:
+        assert not seen  # the native path: no mode entered
+        hidden = torch.relu(model[0](x)).detach()
+    else:
+        assert seen
+        hidden = torch.relu((x.float() @ w1.float().T + b1.float()).to(torch.bfloat16))
+    assert result.input_amax["0"] == float(x.abs().max())
+    assert result.input_amax["2"] == float(hidden.abs().max())

@@ -331,10 +331,9 @@ def test_mixprecs_static_checkpoint_with_kv_scales_to_modelopt_and_back(llama_di
         assert torch.equal(load_quantized(mo)(ids).logits, load_quantized(ct)(ids).logits)
 
 
-def test_mixprec_refuses_modelopt_nvfp4_layers_by_name():
-    from mixprec.errors import MixprecError
-
-    with pytest.raises(MixprecError, match=r"layer 'model\.layers\.0\.self_attn\.\w+_proj' is NVFP4"):
-        load_quantized(DATA / "modelopt_mixed")
-    with pytest.raises(MixprecError, match="quant_algo 'NVFP4' is not one mixprec loads"):
-        load_quantized(DATA / "modelopt_nvfp4")
+def test_mixprec_loads_modelopt_nvfp4_layers():
+    # NVFP4 layers load as BlockQuantizedLinear (issue 15; numerics in tests/inference/test_fp4_schemes.py)
+    mixed = load_quantized(DATA / "modelopt_mixed")
+    assert type(mixed.model.layers[0].self_attn.q_proj).__name__ == "BlockQuantizedLinear"
+    assert type(mixed.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert load_quantized(DATA / "modelopt_nvfp4").model.layers[0].mlp.down_proj.scheme.name == "nvfp4"

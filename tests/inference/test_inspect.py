@@ -107,7 +107,7 @@ def test_modelopt_mixed_precision_is_named():
     assert sorted(mixed["items"]) == ["fp8-static: 6 layers", "nvfp4: 8 layers"]
     schemes = {r["name"].rsplit(".", 1)[1]: r["scheme"] for r in doc["layers"] if ".layers.0." in r["name"]}
     assert schemes["q_proj"] == "nvfp4" and schemes["up_proj"] == "fp8-static"
-    assert not doc["engines"]["mixprec"]["loads"]  # mixprec runs FP8 schemes only
+    assert doc["engines"]["mixprec"]["loads"]  # FP8 and NVFP4 layers alike
 
 
 def test_nan_and_zero_scales(tmp_path):

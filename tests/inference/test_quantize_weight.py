@@ -25,14 +25,16 @@ def _weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
 def test_quantize_weight_is_the_entry_at_the_scheme_granularity(name):
     sch = schemes.SCHEMES[name]
     w = _weight((256, 384), torch.bfloat16)
-    out = torch.empty(256, 384, dtype=torch.float8_e4m3fn)
+    out = torch.empty(256, 384, dtype=sch.fmt.torch_dtype or torch.uint8)  # FP4: one code per byte
     q, stats = quantize_weight(w, sch, out=out)
-    want = quantize(w, "e4m3", sch.weight_granularity)
+    want = quantize(w, sch.fmt, sch.weight_granularity)
     assert q.data.data_ptr() == out.data_ptr() and q.granularity == sch.weight_granularity
     assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(
         q.scale, want.scale
     )
-    assert 0 < stats.relative_error < 0.1 and stats.amax == float(w.float().abs().max())
+    assert torch.equal(q.effective_scale(), want.effective_scale())
+    bound = 0.2 if sch.fmt.bits == 4 else 0.1
+    assert 0 < stats.relative_error < bound and stats.amax == float(w.float().abs().max())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.training import bf16_cpu
-from mixprec.training.bf16_cpu import fp32_compute
+from mixprec.kernels import bf16_cpu
+from mixprec.kernels.bf16_cpu import fp32_compute
 
 
 def _bf(*shape, seed=0):
@@ -130,3 +130,11 @@ def test_installed_only_where_native_bf16_is_slow(monkeypatch):
 
     with pytest.raises(MixprecError):
         bf16_cpu.should_install(model, "fast")
+
+
+def test_training_uses_the_kernels_layer_path():
+    """One home: training's bf16_cpu names are the kernels layer's objects (inference calibration uses them too)."""
+    from mixprec.training import bf16_cpu as training_bf16_cpu
+
+    for name in training_bf16_cpu.__all__:
+        assert getattr(training_bf16_cpu, name) is getattr(bf16_cpu, name)

@@ -37,6 +37,8 @@ def test_every_name_builds_its_class():
         "fp8-blockwise": BlockwiseScaling(),
         "fp8-mxfp8": MXFP8Scaling(),
         "fp8-unscaled": UnscaledFp8(),
+        "fp4-nvfp4": recipes.NVFP4Training(),
+        "fp4-mxfp4": recipes.MXFP4Training(),
         "fp32": Fp32Recipe(),
         "bf16": Bf16Recipe(),
         "bf16-amp": Bf16AmpRecipe(),

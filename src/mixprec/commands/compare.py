@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mixprec.commands import extras, torchrun
 from mixprec.comparison.config import (
+    DEFAULT_LR,
     DEFAULT_NULL_RUNS,
     DEFAULT_RECIPES,
     DEFAULT_STEPS,
@@ -79,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
     )
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: %(default)s)"
+    )
     add_model_and_data_arguments(parser)
     parser.add_argument(
         "--out", default=None, help="output directory for summary.json, metrics.jsonl, report.html"
@@ -134,6 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_NULL_RUNS,
         help="rounding-level null runs per baseline (same batches, initial weights moved by one ulp): "
         "their band is the yardstick of every verdict; 0: no band (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--recipe-null-runs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-run every judged recipe --null-runs times from perturbed weights too, so its own scatter is "
+        "measured; --no-recipe-null-runs takes it to equal its baseline's, except against fp32 "
+        "(docs/compare.md) (default: %(default)s)",
     )
     parser.add_argument(
         "--order-noise",
@@ -203,7 +214,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CompareConfig:
             "underflow": parse_fraction(args.max_underflow),
         },
         verdict_loss=args.verdict_loss, policy=args.policy, null_runs=0 if args.no_noise else args.null_runs,
-        noise=args.order_noise and not args.no_noise, monitor_every=args.monitor_every,
+        recipe_null_runs=args.recipe_null_runs, noise=args.order_noise and not args.no_noise, monitor_every=args.monitor_every,
         model_dir=args.model, data=args.data, tokenizer=args.tokenizer, device=args.device,
     )  # fmt: skip
     settings.update(overrides)

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from mixprec.errors import MixprecError
+from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
 from mixprec.inference.calibration import (
     DEFAULT_MIN_TOKENS,
@@ -17,8 +18,12 @@ from mixprec.inference.calibration import (
 from mixprec.inference.layouts import LAYOUTS
 from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE, quantize_checkpoint
 from mixprec.inference.schemes import SCHEMES
+from mixprec.sensitivity.auto_report import write_auto_report
+from mixprec.sensitivity.automatic import auto_quantize_checkpoint
+from mixprec.sensitivity.scores import METHODS
 
 NAME = "quantize"
+AUTO_CALIB_SAMPLES = 16  # sequences the scores are computed on (one forward + backward per 4)
 HELP = "quantize a local Hugging Face safetensors checkpoint to FP8 (compressed-tensors or HF fp8 layout)"
 
 
@@ -29,7 +34,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output", required=True, help="output directory (refused if it exists, unless --force)"
     )
     parser.add_argument(
-        "--scheme", default="fp8-dynamic", help=f"one of {', '.join(SCHEMES)} (default fp8-dynamic)"
+        "--scheme",
+        default="fp8-dynamic",
+        help=f"one of {', '.join(SCHEMES)} (default fp8-dynamic), or auto: one scheme per layer under --budget",
+    )
+    auto = parser.add_argument_group("--scheme auto (docs/auto.md)")
+    auto.add_argument(
+        "--budget", metavar="BITS|SIZE",
+        help="average bits per weight of the quantizable Linears, scales counted (e.g. 6.0), or the whole "
+        "checkpoint's size (e.g. 1.2GB)",
+    )  # fmt: skip
+    auto.add_argument(
+        "--target-ppl-increase", metavar="REL",
+        help="instead of --budget: the smallest checkpoint whose perplexity on --eval-data rises by at most "
+        "REL (e.g. 1%%), found by bisection over budgets, each checkpoint measured",
+    )  # fmt: skip
+    auto.add_argument(
+        "--score", default="gradient", choices=METHODS,
+        help="gradient: sum((grad_out * (Y_q - Y))^2) from one forward+backward per batch (default); "
+        "kl: the logits' KL with one layer group in the candidate at a time (slower)",
+    )  # fmt: skip
+    auto.add_argument(
+        "--candidates", nargs="+", metavar="SCHEME",
+        help=f"schemes to choose from besides keeping the layer (default: all of {', '.join(SCHEMES)})",
+    )  # fmt: skip
+    auto.add_argument(
+        "--scores", metavar="FILE",
+        help="auto_scores.json of an earlier run to reuse (refused unless model, data, candidates match)",
+    )  # fmt: skip
+    auto.add_argument(
+        "--eval-data", metavar="TEXT",
+        help="text to measure perplexity on (mixprec evaluate's lm task): the chosen checkpoint, and every "
+        "step of --target-ppl-increase",
+    )  # fmt: skip
+    auto.add_argument("--eval-samples", type=int, default=32, help="blocks of --eval-data (default 32)")
+    auto.add_argument("--eval-seq-len", type=int, default=128, help="tokens per block (default 128)")
+    auto.add_argument(
+        "--search-steps", type=int, default=5, help="evaluations of --target-ppl-increase (default 5)"
     )
     parser.add_argument(
         "--dtype",
@@ -43,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibration text: .txt, folder of .txt, .jsonl with 'text', or a well-known name with a local copy",
     )
     parser.add_argument(
-        "--calib-samples", type=int, default=512,
-        help="most calibration sequences to run (default 512); calibration stops earlier once the scales settle",
+        "--calib-samples", type=int, default=None,
+        help="most calibration sequences to run (default 512; calibration stops earlier once the scales "
+        f"settle); --scheme auto scores on this many (default {AUTO_CALIB_SAMPLES})",
     )  # fmt: skip
     parser.add_argument(
         "--calib-tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="REL",
@@ -95,10 +137,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _perplexity(model: str, data: str, samples: int, seq_len: int):
+    """measure(checkpoint) -> the lm task's figures of `mixprec evaluate` (reference: the input model)."""
+
+    def measure(candidate) -> dict:
+        result = evaluate(
+            model, candidate, data=data, task="lm", samples=samples, seq_len=seq_len, progress=False
+        )
+        lm = result.tasks["lm"]
+        keys = ("reference_perplexity", "candidate_perplexity", "perplexity_relative_change", "kl_mean")
+        return {k: lm[k] for k in keys} | {"samples": samples, "seq_len": seq_len, "data": str(data)}
+
+    return measure
+
+
+def run_auto(args: argparse.Namespace) -> int:
+    if args.format != "compressed-tensors":
+        raise MixprecError("--scheme auto writes the compressed-tensors layout only")
+    if args.calib_data is None:
+        raise MixprecError("--scheme auto needs --calib-data (text to score the layers on)")
+    measure = None
+    if args.eval_data is not None:
+        measure = _perplexity(args.model, args.eval_data, args.eval_samples, args.eval_seq_len)
+    result = auto_quantize_checkpoint(
+        args.model, args.output, budget=args.budget, target_ppl_increase=args.target_ppl_increase,
+        calib_data=args.calib_data, calib_samples=args.calib_samples or AUTO_CALIB_SAMPLES,
+        calib_seq_len=args.calib_seq_len, candidates=args.candidates, score=args.score, scores=args.scores, ignore=args.ignore,
+        default_ignore=not args.no_default_ignore, measure=measure, search_steps=args.search_steps,
+        force=args.force, progress=not args.quiet and not args.json, max_shard_size=args.max_shard_size,
+        observer=args.observer, strict=args.strict,
+    )  # fmt: skip
+    write_auto_report(result, args.output)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+
+    chosen = result.to_dict()["chosen"]
+    schemes = ", ".join(f"{k} {v}" for k, v in chosen["schemes"].items())
+    Console().print(
+        f"[green]wrote {args.output}[/green]: {chosen['bits_per_weight']:.3f} bits per weight ({schemes} Linears); "
+        f"scores {'reused' if result.scores_reused else f'computed in {result.scores.seconds:.0f} s'}; "
+        f"report {args.output}/auto_report.html"
+    )
+    if result.measured:
+        m = result.measured
+        Console().print(f"perplexity {m['reference_perplexity']:.3f} -> {m['candidate_perplexity']:.3f} "
+                        f"({m['perplexity_relative_change']:+.2%})")  # fmt: skip
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
 
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")
+    if args.scheme.strip().lower() == "auto":
+        return run_auto(args)
+    if args.budget is not None or args.target_ppl_increase is not None:
+        raise MixprecError("--budget and --target-ppl-increase are for --scheme auto")
     report = quantize_checkpoint(
         args.model,
         args.output,
@@ -106,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         ignore=args.ignore,
         default_ignore=not args.no_default_ignore,
         calib_data=args.calib_data,
-        calib_samples=args.calib_samples,
+        calib_samples=512 if args.calib_samples is None else args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         observer=args.observer,
         calib_stop=StopRule(args.calib_tolerance, args.calib_window, args.calib_min_tokens),
@@ -127,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     counts = report.summary()
     n_fp8 = sum(v for k, v in counts.items() if k.startswith("fp8"))
     console.print(
-        f"[green]wrote {args.output}[/green]: {n_fp8} Linear layers in FP8 ({report.scheme}), "
+        f"[green]wrote {args.output}[/green]: {n_fp8} Linear layers quantized ({report.scheme}), "
         f"{len(report.skipped)} kept in high precision; weights {report.weight_bytes_before / 2**20:.1f} MiB -> "
         f"{report.weight_bytes_after / 2**20:.1f} MiB; max relative weight error {report.max_relative_weight_error:.2e}"
     )

@@ -49,10 +49,10 @@ def _band(r) -> str:
 
 
 def verdict_label(r) -> str:
-    """The verdict word, with how many steps would settle an inconclusive one."""
-    if r.verdict == INCONCLUSIVE and r.steps_to_settle:
-        return r.verdict + (" (no number of steps settles it)" if r.steps_to_settle < 0
-                            else f" (~{r.steps_to_settle} steps would settle it)")  # fmt: skip
+    """The verdict word, with how many null runs would settle an inconclusive one."""
+    if r.verdict == INCONCLUSIVE and r.null_runs_to_settle:
+        return r.verdict + (" (no number of null runs settles it)" if r.null_runs_to_settle < 0
+                            else f" (~{r.null_runs_to_settle} null runs would settle it)")  # fmt: skip
     return r.verdict
 
 
@@ -152,11 +152,10 @@ def null_check_line(base: str, check: dict | None) -> str:
         return ""
     iv = check.get("interval")
     return (
-        f"Null check of {base}: {check['run']} judged against {base} with the band of "
-        f"{', '.join(check['against'])} (leave-one-out), margin {check['margin'] * 100:.2f}%: "
-        f"{check['verdict']}{'' if not iv else f' (interval {_interval(iv)})'}; in both orders (interval within "
-        f"±{check['margin'] * 100:.2f}%): {check.get('symmetric_verdict', '–')} — a run as good as the baseline must "
-        f"come out equivalent, or the band procedure cannot be trusted at this size."
+        f"Null check of {base}: {check['run']} judged like a recipe against {', '.join(check['against'])} "
+        f"(leave-one-out), margin ±{check['margin'] * 100:.2f}%: "
+        f"{check['verdict']}{'' if not iv else f' (interval {_interval(iv)})'} — a run as good as the baseline must "
+        f"come out equivalent, or the procedure cannot decide at this size."
     )
 
 
@@ -179,8 +178,9 @@ def band_section(summary: ComparisonSummary) -> Section:
     html = (
         "".join(paragraph(c) for c in checks if c)
         + paragraph(
-            "Half-width of the null band (largest |train gap| of the null runs over the window of 10 % of the steps "
-            "ending at that step) as the run went on, beside the data-order run's gap over the same window."
+            "Half-width of the band (how far one more equally good run may land from the mean of the baseline and "
+            "its null runs: Student's t x their spread x sqrt(1 + 1/n), train loss over the window of 10 % of the "
+            "steps ending at that step) as the run went on, beside the data-order run's gap over the same window."
         )
         + table_html(["baseline", "step", "null band", "data-order gap"], rows)
     )

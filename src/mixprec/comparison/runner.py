@@ -4,9 +4,10 @@
     summary.passed, summary.recipes["fp8-delayed"].val_gap, summary.exit_code
 
 Each recipe trains a copy of one initial model on the same batches; each baseline (fp32 for bf16,
-bf16 for fp8 when present) is also re-run `null_runs` times (default 3) on the same batches from initial
-weights moved by one ulp at random positions: their gaps to the baseline are the band every verdict is
-read against (mixprec.comparison.summary). `noise=True` adds the old yardstick, a re-run with another data
+bf16 for fp8 when present) is also re-run `null_runs` times on the same batches from initial weights
+moved by one ulp at random positions, and so is every recipe judged against fp32 (fp32's runs barely
+scatter, so the recipe's own scatter must be measured): the spread of these equally good runs is what
+every verdict is read against (mixprec.comparison.summary). `noise=True` adds the old yardstick, a re-run with another data
 order (reported only). The verdict compares the train loss by default (the last 10 % of steps, the same
 batches for every run); `verdict_loss="val"` uses the validation loss instead. See docs/compare.md and
 docs/schemas/compare.md.
@@ -55,7 +56,7 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
     )  # fmt: skip
     specs = [RunSpec(name=r, recipe=r, order_seed=config.seed, **common) for r in config.recipes]
     bases = [b for b in dict.fromkeys(config.baselines().values()) if b]
-    for b in bases:
+    for b in config.null_run_targets():
         # null run k of every baseline draws its perturbation from (seed, k): the same across baselines
         specs += [
             RunSpec(name=null_run_name(b, k), recipe=b, order_seed=config.seed,

@@ -5,15 +5,15 @@ summary.json from metrics.jsonl (the tests do). Gaps are signed fractions, (loss
 a negative gap means the recipe did better than its baseline.
 
 The verdict (mixprec.verdicts: equivalent / worse / inconclusive) reads the recipe's gap against its
-margin (verdicts.FP8_MARGIN for FP8 against bf16, HALF_MARGIN for 16-bit against fp32) with two
-uncertainties around it:
-- the paired bootstrap interval of the train gap over the window (the last 10 % of steps, the same
-  batches for both runs), which says how much the figure depends on which batches fall in the window;
-- the band: the largest |gap| of the baseline's rounding-level null runs (the baseline again, same
-  batches, initial weights moved by one ulp) over the same window, which says how far two equally good
-  runs drift apart. The interval [bootstrap low - band, bootstrap high + band] is what is decided.
-How to settle an inconclusive verdict comes from how that interval narrowed between half the run and the
-whole run (`steps_to_settle`).
+margin (verdicts.FP8_MARGIN for FP8 against bf16, HALF_MARGIN for 16-bit against fp32). The yardstick
+is the baseline's rounding-level null runs: the baseline again with the same batches and initial
+weights moved by one ulp at seeded random positions. The baseline and its null runs are equally good
+by construction, so their spread is how far equally good runs land apart; in bf16 it grows with the
+steps (rounding decisions flip and the runs drift), in fp32 it stays near zero. The decided interval is
+the recipe's figure minus the mean of those runs, ± Student's t times their spread times
+sqrt(1 + 1/n) (verdicts.replicate_interval) — the figure being the mean train loss over the window
+(the last 10 % of steps, the same batches for every run) or the mean of the last validation
+evaluations. An inconclusive verdict says how many null runs would settle it (`null_runs_to_settle`).
 """
 
 from __future__ import annotations
@@ -33,20 +33,23 @@ from mixprec.verdicts import (
     WORSE,
     Interval,
     decide_equivalence,
+    group_interval,
     paired_bootstrap,
+    references_to_settle,
     relative_mean_change,
-    samples_to_settle,
+    student_t_quantile,
 )
 
 # summary.json: 2 added the "inconclusive" verdict; 3 the verdicts equivalent / worse / inconclusive
 # against a margin with the null runs' band (`bands`, `interval`, `band_*`, `steps_to_settle`), `passed`
-# false only for `worse`; metrics.jsonl rows are unchanged since 1
-SCHEMA_VERSION = 3
+# false only for `worse`; 4: the interval from the spread of the baseline's runs (`bands.*.members`,
+# `spread_*`), `null_runs_to_settle` replaces `steps_to_settle`; metrics.jsonl rows are unchanged since 1
+SCHEMA_VERSION = 4
 METRICS_SCHEMA_VERSION = 1
 BASELINE = "baseline"  # the verdict of a recipe others are judged against
 WINDOW_SHARE = 0.1  # the verdict window: the last 10 % of steps
-# where the band's evolution is sampled (fractions of the run); the last two give the rate at which the
-# interval narrows, from which an inconclusive verdict's steps_to_settle is extrapolated
+# where the band's evolution is sampled (fractions of the run): how the spread of equally good runs
+# grows with the steps
 EVOLUTION_POINTS = (0.25, 0.5, 0.75, 1.0)
 
 
@@ -65,10 +68,10 @@ class RecipeSummary:
     noise_max_smoothed_gap: float | None
     margin: float | None  # the largest acceptable gap (verdicts.FP8_MARGIN / HALF_MARGIN by default)
     verdict: str  # "equivalent", "worse", "inconclusive" or "baseline"
-    band_train: float | None = None  # half-width of the null runs' band of the train gap (largest |gap|)
+    band_train: float | None = None  # half-width of the band: how far an equally good run may land
     band_val: float | None = None
     interval: dict | None = None  # the decided interval of `verdict_loss` (verdicts.Interval fields)
-    steps_to_settle: int | None = None  # inconclusive only: about how many steps; -1 none would
+    null_runs_to_settle: int | None = None  # inconclusive only: about how many null runs; -1 none would
     reasons: list[str] = field(default_factory=list)
     saturation_peak: dict[str, dict] = field(default_factory=dict)  # role -> {value, step, layer}
     underflow_peak: dict[str, dict] = field(default_factory=dict)
@@ -209,26 +212,63 @@ def null_runs_of(runs: dict, baseline: str) -> list[str]:
     return sorted((r for r in runs if r.startswith(prefix)), key=lambda r: int(r[len(prefix) :] or 0))
 
 
+def _spread(values: list[float | None]) -> float | None:
+    """Sample standard deviation (n - 1 degrees of freedom) of the runs' figures, or None."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if len(finite) < 2 or len(finite) != len(values):
+        return None
+    centre = sum(finite) / len(finite)
+    return math.sqrt(sum((v - centre) ** 2 for v in finite) / (len(finite) - 1))
+
+
+def _half_width(spread: float | None, runs: int) -> float | None:
+    """How far one more equally good run may land from the mean of `runs` runs (95 %, Student's t)."""
+    if spread is None or runs < 2:
+        return None
+    return student_t_quantile(0.975, runs - 1) * spread * math.sqrt(1 + 1 / runs)
+
+
 def _band(base: str, nulls: list[str], curves: dict, finals: dict, steps: int) -> dict:
-    """The null runs' gaps to their baseline, the band (largest |gap|) and how it evolves over steps."""
-    train = [window_gap(curves[n], curves[base], steps) for n in nulls]
-    val = [_gap(finals[n][1], finals[base][1]) for n in nulls]
+    """The baseline's runs — itself and its rounding-level null runs, equally good by construction —
+    their figures relative to the baseline, their spread, the band (how far one more equally good run
+    may land from their mean) and how the spread evolves over steps."""
+    members = [base, *nulls]
+    train = [window_gap(curves[m], curves[base], steps) for m in members]
+    val = [_gap(finals[m][1], finals[base][1]) for m in members]
     evolution = []
     for share in EVOLUTION_POINTS:
         end = max(1, int(share * steps))
-        gaps = [window_gap(curves[n], curves[base], end) for n in nulls]
-        evolution.append({"step": end, "train": _half_width(gaps)})
-    return {"runs": nulls, "train": train, "val": val, "half_width_train": _half_width(train),
-            "half_width_val": _half_width(val), "window_steps": window_length(steps), "evolution": evolution}  # fmt: skip
+        spread = _spread([window_gap(curves[m], curves[base], end) for m in members])
+        evolution.append({"step": end, "spread_train": spread, "train": _half_width(spread, len(members))})
+    spread_train, spread_val = _spread(train), _spread(val)
+    return {"runs": nulls, "members": members, "train": train[1:], "val": val[1:],
+            "spread_train": spread_train, "spread_val": spread_val,
+            "half_width_train": _half_width(spread_train, len(members)),
+            "half_width_val": _half_width(spread_val, len(members)),
+            "window_steps": window_length(steps), "evolution": evolution}  # fmt: skip
+
+
+def _own_runs(
+    recipe: str, base: str, nulls: list[str], curves: dict, finals: dict, steps: int
+) -> dict | None:
+    """A recipe's own null runs (it has them when it is a baseline too, or judged against fp32), as
+    gaps to ITS baseline, and the spread of its runs; None without."""
+    if not nulls:
+        return None
+    train = [window_gap(curves[n], curves[base], steps) for n in nulls]
+    val = [_gap(finals[n][1], finals[base][1]) for n in nulls]
+    own_train = [window_gap(curves[recipe], curves[base], steps), *train]
+    own_val = [_gap(finals[recipe][1], finals[base][1]), *val]
+    return {"train": train, "val": val, "spread_train": _spread(own_train), "spread_val": _spread(own_val)}
 
 
 def null_check(
     base: str, nulls: list[str], curves: dict, finals: dict, config: CompareConfig, margin: float
 ) -> dict | None:
     """The procedure checked on a case whose answer is known: null run 1 is as good as the baseline, so
-    judged like a recipe — against the band of the OTHER null runs (leave-one-out), at the strictest
-    margin asked of this baseline — it must come out `equivalent`. Needs at least 3 null runs."""
-    if len(nulls) < 3:
+    judged like a recipe — against the baseline and the OTHER null runs (leave-one-out), at the
+    strictest margin asked of this baseline — it must come out `equivalent`. Needs at least 2 null runs."""
+    if len(nulls) < 2:
         return None
     candidate, others = nulls[0], nulls[1:]
     band = _band(base, others, curves, finals, config.steps)
@@ -240,18 +280,11 @@ def null_check(
     )  # fmt: skip
     interval = decided_interval(probe, curves[candidate], curves[base], config, band)
     if interval is None:
-        return {"run": candidate, "against": others, "margin": margin, "verdict": WORSE, "symmetric_verdict": WORSE,
+        return {"run": candidate, "against": [base, *others], "margin": margin, "verdict": WORSE,
                 "interval": None}  # fmt: skip
     verdict = decide_equivalence(interval.low, interval.high, margin=margin)
-    # kept for readers of schema 3: the verdict is itself symmetric (within [-margin, +margin])
-    symmetric = verdict
-    return {"run": candidate, "against": others, "margin": margin, "verdict": verdict,
-            "symmetric_verdict": symmetric, "interval": interval.to_dict()}  # fmt: skip
-
-
-def _half_width(gaps: list[float | None]) -> float | None:
-    finite = [abs(g) for g in gaps if g is not None and math.isfinite(g)]
-    return max(finite) if finite and len(finite) == len(gaps) else None
+    return {"run": candidate, "against": [base, *others], "margin": margin, "verdict": verdict,
+            "interval": interval.to_dict()}  # fmt: skip
 
 
 def summarize(records: list[dict], config: CompareConfig) -> ComparisonSummary:
@@ -314,13 +347,14 @@ def summarize(records: list[dict], config: CompareConfig) -> ComparisonSummary:
             s.noise_max_smoothed_gap = noise.get("max_smoothed_gap")
             band = bands.get(base, {})
             s.band_train, s.band_val = band.get("half_width_train"), band.get("half_width_val")
-            interval = decided_interval(s, curves[recipe], curves[base], config, band)
+            own = _own_runs(recipe, base, null_runs_of(runs, recipe), curves, finals, steps)
+            interval = decided_interval(s, curves[recipe], curves[base], config, band, own)
             s.interval = None if interval is None else interval.to_dict()
             if interval is not None:
-                s.steps_to_settle = _steps_to_settle(s, interval, curves[recipe], curves[base], config, band)
+                s.null_runs_to_settle = _runs_to_settle(s, interval, band, own, config)
         s.verdict, s.reasons = _verdict(s, config)
         if s.verdict != INCONCLUSIVE:
-            s.steps_to_settle = None
+            s.null_runs_to_settle = None
         out[recipe] = s
     passed = all(r.verdict != WORSE for r in out.values())
     return ComparisonSummary(
@@ -335,67 +369,58 @@ def decided_interval(
     base: list[float],
     config: CompareConfig,
     band: dict,
-    end: int | None = None,
+    own: dict | None = None,
 ) -> Interval | None:
-    """The interval the verdict decides: the gap's bootstrap interval widened by the band on each side.
+    """The interval the verdict decides.
 
-    Train loss: a paired bootstrap of relative_mean_change over the window's steps (seeded by the
-    comparison's seed), so the same records give the same interval. Validation loss: the gap itself
-    (a mean over the last evaluations of the same blocks), widened by the validation band.
+    With null runs: the mean of the recipe's figures (train: the window's mean loss; val: the mean of
+    the last evaluations) minus the mean of the baseline's runs (the baseline and its null runs), all
+    relative to the baseline, with Student's t: the recipe's run is one draw, as each of theirs is, so
+    what it must be told apart from is the scatter of equally good runs, which already contains the
+    batch-to-batch noise of the window. A recipe with null runs of its own (`own`: its figures, itself
+    first) brings its own spread (verdicts.group_interval, Welch); one run alone is taken to scatter
+    like the baseline's runs (verdicts.replicate_interval).
+    Without null runs: the paired bootstrap over the window's steps (same batches for both runs), which
+    sees only that batch-to-batch noise and not how far equally good runs drift apart.
     """
-    end = config.steps if end is None else end
-    if config.verdict_loss == "val":
-        gap, width = s.val_gap, band.get("half_width_val") or 0.0
-        if gap is None or not math.isfinite(gap):
-            return None
-        return Interval(
-            gap, gap - width, gap + width, level=0.95, samples=end, method="validation gap ± band"
-        )
+    val = config.verdict_loss == "val"
+    gap = s.val_gap if val else s.train_gap
+    if gap is None or not math.isfinite(gap):
+        return None
+    members = band.get("val" if val else "train")
+    candidates = [gap, *((own or {}).get("val" if val else "train") or [])]
+    if members is not None and all(m is not None and math.isfinite(m) for m in (*members, *candidates)):
+        runs = f"{len(candidates)} runs of the recipe" if len(candidates) > 1 else "the recipe's run"
+        return group_interval(candidates, [0.0, *members], method=f"{runs} against the {s.baseline} run and its "
+                              f"{len(members)} null run(s), Student's t")  # fmt: skip
+    if val:
+        return Interval(gap, gap, gap, level=0.95, samples=1, method="validation gap (no null runs)")
+    end = config.steps
     n = window_length(end)
     b = torch.tensor(base[end - n : end], dtype=torch.float64)
     r = torch.tensor(run[end - n : end], dtype=torch.float64)
     if not (bool(torch.isfinite(b).all()) and bool(torch.isfinite(r).all())) or float(b.mean()) == 0:
         return None
-    width = (band.get("half_width_train") or 0.0) if end == config.steps else _band_at(band, end)
-    if n >= 2:
-        boot = paired_bootstrap(relative_mean_change, b, r, seed=config.seed)
-        low, high, gap = boot.low, boot.high, boot.estimate
-    else:
-        gap = float(r.mean() / b.mean() - 1)
-        low = high = gap
-    return Interval(
-        gap, low - width, high + width, level=0.95, samples=end, method="paired-bootstrap ± null band"
-    )
+    if n < 2:
+        return Interval(gap, gap, gap, level=0.95, samples=1, method="train gap (no null runs)")
+    boot = paired_bootstrap(relative_mean_change, b, r, seed=config.seed)
+    return Interval(boot.estimate, boot.low, boot.high, level=0.95, samples=n,
+                    method="paired bootstrap over the window's steps (no null runs)")  # fmt: skip
 
 
-def _band_at(band: dict, end: int) -> float:
-    for point in band.get("evolution", []):
-        if point["step"] == end and point["train"] is not None:
-            return point["train"]
-    return 0.0
-
-
-def _steps_to_settle(
-    s: RecipeSummary,
-    interval: Interval,
-    run: list[float],
-    base: list[float],
-    config: CompareConfig,
-    band: dict,
+def _runs_to_settle(
+    s: RecipeSummary, interval: Interval, band: dict, own: dict | None, config: CompareConfig
 ) -> int | None:
-    """Steps that would settle an inconclusive verdict: the interval's half-width at half the run and
-    at the whole run give the rate at which it narrows (half-width ~ steps**-rate); -1 when it did not
-    narrow (a band that grows with steps: more steps of this run will not settle it)."""
-    if decide_equivalence(interval.low, interval.high, margin=s.margin) != INCONCLUSIVE:
-        return None
-    half = config.steps // 2
-    if config.verdict_loss == "val" or half < 2:
+    """Inconclusive only: how many null runs (of the baseline; of each, when the recipe has its own)
+    would settle it, the estimate and the spreads taken as fixed; -1 when no number would."""
+    key = "spread_val" if config.verdict_loss == "val" else "spread_train"
+    spread = band.get(key)
+    if spread is None or interval.samples < 2:
         return -1
-    earlier = decided_interval(s, run, base, config, band, end=half)
-    if earlier is None or earlier.half_width <= 0 or interval.half_width <= 0:
-        return -1
-    rate = math.log(earlier.half_width / interval.half_width) / math.log(config.steps / half)
-    return samples_to_settle(interval, upper=s.margin, lower=-s.margin, rate=rate)
+    runs = references_to_settle(
+        interval, margin=s.margin, spread=spread, candidate_spread=(own or {}).get(key)
+    )
+    return None if runs is None else (runs if runs < 0 else runs - 1)
 
 
 def _pct(x: float | None) -> str:
@@ -428,11 +453,13 @@ def _verdict(s: RecipeSummary, config: CompareConfig) -> tuple[str, list[str]]:
     else:
         band = s.band_val if config.verdict_loss == "val" else s.band_train
         band_text = (
-            f"null band ±{band * 100:.3f}%" if band is not None else "no null runs: the band is not measured"
+            f"band of equally good runs ±{band * 100:.3f}%"
+            if band is not None
+            else "no null runs: only the batch-to-batch noise is measured"
         )
         where = (
-            f"{which} loss {_pct(gap)} vs {s.baseline}, interval [{_pct(iv['low'])}, {_pct(iv['high'])}] "
-            f"({band_text})"
+            f"{which} loss {_pct(gap)} vs {s.baseline}, {_pct(iv['estimate'])} vs the mean of its runs, "
+            f"interval [{_pct(iv['low'])}, {_pct(iv['high'])}] ({band_text})"
         )
         verdict = decide_equivalence(iv["low"], iv["high"], margin=s.margin)
         if verdict == EQUIVALENT:
@@ -440,12 +467,14 @@ def _verdict(s: RecipeSummary, config: CompareConfig) -> tuple[str, list[str]]:
         elif verdict == WORSE:
             reasons.append(f"{where}: wholly above the {s.margin * 100:.2f}% margin")
         else:
-            settle = s.steps_to_settle
-            how = (
-                "no number of steps of this run would settle it (the interval did not narrow with steps)"
-                if settle is None or settle < 0
-                else f"about {settle} steps would settle it (from how the interval narrowed over this run)"
-            )
+            settle = s.null_runs_to_settle
+            if iv["high"] < -s.margin:
+                how = "better than its baseline by more than the margin: something changed more than rounding"
+            elif settle is None or settle < 0:
+                how = ("no number of null runs would settle it: one run of the recipe scatters too widely "
+                       "on its own (fewer steps, or a larger margin)")  # fmt: skip
+            else:
+                how = f"about {settle} null runs would settle it (--null-runs {settle})"
             reasons.append(f"{where}: not wholly within ±{s.margin * 100:.2f}%; {how}")
         evidence = _precision_evidence(s, config)
         if evidence:

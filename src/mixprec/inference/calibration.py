@@ -12,6 +12,12 @@ less than `tolerance` (relative) over the last `window` batches, once at least `
 been seen (rare outlier tokens arrive late: a short run can look settled before one shows), or until
 the batches run out (the cap, `--calib-samples`). The result says how many samples it used and why it
 stopped (CalibrationRun).
+
+Compute: on a CPU without AVX-512-BF16 / AMX the forward's bf16/fp16 GEMMs run in fp32 and are rounded
+once to the model's dtype (mixprec.kernels.bf16_cpu.gemms_in_fp32, the path training uses): a native
+bf16 matmul is several times slower there. The observers still see the model's dtype: each Linear input
+is what a bf16 GEMM (fp32 accumulation, one rounding) produces, as on a GPU, up to the order of the fp32
+sums (docs/quantize.md, "Calibration compute").
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.kernels.bf16_cpu import gemms_in_fp32
 from mixprec.quantization import fake_quantize
 from mixprec.scaling import Granularity, compute_scale
 from mixprec.texts import read_texts
@@ -363,7 +370,7 @@ def _run(
     conv = _Convergence(rule, tracked)
     samples = done = 0
     stopped = "cap"
-    with torch.no_grad():
+    with torch.no_grad(), gemms_in_fp32(model):
         for b in batches:
             if isinstance(b, dict):
                 model(**b)

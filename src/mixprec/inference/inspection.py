@@ -60,7 +60,17 @@ _VLLM = {
     "hf-fp8": {"fp8-block"},
     "modelopt": {"fp8-static", "fp8-dynamic", "fp8-block", "nvfp4", "nvfp4a16"},
 }
-_MIXPREC = {"fp8-static", "fp8-tensor-dynamic", "fp8-dynamic", "fp8-block"}
+_MIXPREC = {
+    "fp8-static",
+    "fp8-tensor-dynamic",
+    "fp8-dynamic",
+    "fp8-block",
+    "nvfp4",
+    "nvfp4a16",
+    "mxfp4",
+    "mxfp4a16",
+    "mxfp8",
+}
 
 
 def _check(name: str, verdict: str, detail: str, items: list[str] | None = None) -> dict[str, Any]:

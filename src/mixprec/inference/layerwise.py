@@ -31,6 +31,7 @@ from mixprec.inference.calibration import (
     make_observer,
 )
 from mixprec.inference.safetensors_io import Checkpoint, ShardReader
+from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
 
 class _Captured(Exception):
@@ -94,8 +95,11 @@ def calibrate_layerwise(
         raise _Captured
 
     try:
-        with ShardReader() as reader, torch.no_grad():
+        with ShardReader() as reader, torch.no_grad(), contextlib.ExitStack() as fp32_gemms:
             _load_into(model, ckpt, outside, reader)
+            # GEMMs in fp32 rounded to the model dtype on CPUs without fast bf16, as in `calibrate` (decided
+            # now that the parts outside the blocks, the embeddings first, are on the CPU)
+            fp32_gemms.enter_context(gemms_in_fp32(model))
             hook = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
             try:
                 for b in batches:

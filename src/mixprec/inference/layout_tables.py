@@ -61,13 +61,31 @@ FP8_TENSOR_DYNAMIC = StoredScheme("fp8-tensor-dynamic", 8, "tensor", "dynamic")
 FP8_DYNAMIC = StoredScheme("fp8-dynamic", 8, "channel", "dynamic")
 NVFP4 = StoredScheme("nvfp4", 4, "group", "static")
 NVFP4A16 = StoredScheme("nvfp4a16", 4, "group", None)
+# OCP MX as compressed-tensors stores it (mxfp4/mxfp8 presets): uint8 E8M0 `weight_scale` [out, in/32]
+MX_GROUP = 32
+MXFP4 = StoredScheme("mxfp4", 4, "mx", "dynamic")
+MXFP4A16 = StoredScheme("mxfp4a16", 4, "mx", None)
+MXFP8 = StoredScheme("mxfp8", 8, "mx", "dynamic")
 
 
 def fp8_block(rows: int = 128, cols: int = 128) -> StoredScheme:
     return StoredScheme("fp8-block", 8, "block", "dynamic", (int(rows), int(cols)))
 
 
-_BY_NAME = {s.name: s for s in (FP8_STATIC, FP8_TENSOR_DYNAMIC, FP8_DYNAMIC, fp8_block(), NVFP4, NVFP4A16)}
+_BY_NAME = {
+    s.name: s
+    for s in (
+        FP8_STATIC,
+        FP8_TENSOR_DYNAMIC,
+        FP8_DYNAMIC,
+        fp8_block(),
+        NVFP4,
+        NVFP4A16,
+        MXFP4,
+        MXFP4A16,
+        MXFP8,
+    )
+}
 MODELOPT_ALGOS = {algo: _BY_NAME[name] for algo, name in MODELOPT_ALGO_SCHEMES.items()}
 
 
@@ -91,6 +109,8 @@ def holds(layout: str, scheme: StoredScheme, out_f: int, in_f: int) -> str | Non
     """Why `layout` cannot hold `scheme` for a Linear [out_f, in_f], or None when it can."""
     if layout == "compressed-tensors":
         return None
+    if scheme.weight_strategy == "mx":
+        return f"only the compressed-tensors layout holds OCP MX (E8M0-scaled) weights like {scheme.name}'s"
     if layout == "hf-fp8":
         if scheme.name != "fp8-block":
             return (
@@ -118,6 +138,11 @@ def holds(layout: str, scheme: StoredScheme, out_f: int, in_f: int) -> str | Non
 
 def module_tensors(layout: str, scheme: StoredScheme, out_f: int, in_f: int) -> list[TensorSpec]:
     """The tensors `layout` stores for one Linear [out_f, in_f] quantized with `scheme`."""
+    if scheme.weight_strategy == "mx":  # compressed-tensors only (see holds)
+        payload = TensorSpec("weight", "weight_packed", (out_f, in_f // 2), "uint8") if scheme.fp4 else (
+            TensorSpec("weight", "weight", (out_f, in_f), "fp8")
+        )  # fmt: skip
+        return [payload, TensorSpec("weight_scale", "weight_scale", (out_f, _cdiv(in_f, MX_GROUP)), "uint8")]
     if scheme.fp4:
         packed, blocks = (out_f, in_f // 2), (out_f, in_f // FP4_GROUP)
         if layout == "compressed-tensors":
@@ -239,6 +264,15 @@ def _ct_scheme(group: dict) -> StoredScheme | str:
         if strategy == "block" and dynamic:
             rows, cols = w.get("block_structure") or (128, 128)
             return fp8_block(rows, cols)
+    if (
+        strategy == "group"
+        and int(w.get("group_size") or 0) == MX_GROUP
+        and "uint8" in str(w.get("scale_dtype"))
+    ):
+        if bits == 4:
+            return MXFP4A16 if a is None else MXFP4
+        if bits == 8 and a is not None:
+            return MXFP8
     if bits == 4 and strategy == "tensor_group" and int(w.get("group_size") or 0) == FP4_GROUP:
         if a is None:
             return NVFP4A16

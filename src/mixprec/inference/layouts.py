@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixprec.errors import MixprecError
+from mixprec.inference.fp4_layout import ct_block_scheme_args
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.scaling import Granularity
 from mixprec.select import matches
@@ -52,45 +53,79 @@ def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
     }
 
 
-def ct_quantization_config(scheme: InferenceScheme, ignore: list[str], kv_cache: bool) -> dict:
-    """The compressed-tensors `quantization_config` llm-compressor writes for this scheme.
-
-    `ignore` lists the Linear module names left unquantized: with `targets: ["Linear"]`, readers
-    (vLLM, compressed-tensors) quantize every other Linear.
-    """
+def ct_scheme_args(scheme: InferenceScheme) -> tuple[dict, dict | None, str]:
+    """(weights, input_activations, format) of one compressed-tensors config group for `scheme`: the
+    QuantizationArgs llm-compressor writes for it, and the group's compression format."""
+    if not scheme.is_fp8:  # NVFP4, MXFP4, MXFP8
+        return ct_block_scheme_args(scheme)
     if scheme.name == "fp8-dynamic":
-        weights = _ct_args("channel", False)
-        inputs = _ct_args("token", True)
-    elif scheme.name == "fp8-static":
-        weights = _ct_args("tensor", False)
-        inputs = _ct_args("tensor", False, observer="static_minmax")
-    elif scheme.name == "fp8-block":
+        return _ct_args("channel", False), _ct_args("token", True), "float-quantized"
+    if scheme.name == "fp8-static":
+        return (
+            _ct_args("tensor", False),
+            _ct_args("tensor", False, observer="static_minmax"),
+            "float-quantized",
+        )
+    if scheme.name == "fp8-block":
         weights = _ct_args("block", False, block_structure=[128, 128])
-        inputs = _ct_args("group", True, group_size=128)
-    else:  # pragma: no cover - from_name guards
-        raise MixprecError(f"no compressed-tensors layout for {scheme.name}")
-    kv = None
-    if kv_cache:
-        kv = _ct_args("tensor", False, observer="minmax")
+        return weights, _ct_args("group", True, group_size=128), "float-quantized"
+    raise MixprecError(
+        f"no compressed-tensors layout for {scheme.name}"
+    )  # pragma: no cover - from_name guards
+
+
+def ct_config_group(scheme: InferenceScheme, targets: list[str]) -> dict:
+    """One `config_groups` entry: `scheme` applied to `targets` (a class name such as "Linear", or
+    module names)."""
+    weights, inputs, fmt = ct_scheme_args(scheme)
     return {
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": inputs,
-                "output_activations": None,
-                "format": "float-quantized",
-            }
-        },
+        "targets": list(targets),
+        "weights": weights,
+        "input_activations": inputs,
+        "output_activations": None,
+        "format": fmt,
+    }
+
+
+def _ct_document(groups: list[dict], ignore: list[str], kv_cache: bool) -> dict:
+    # compressed-tensors' own rule (compressors/format.py `_flatten_formats`, quant_config.py): the
+    # top-level format is the groups' format when they share one, "mixed-precision" when they differ
+    formats = {g["format"] for g in groups}
+    return {
+        "config_groups": {f"group_{i}": g for i, g in enumerate(groups)},
         "quant_method": "compressed-tensors",
-        "kv_cache_scheme": kv,
-        "format": "float-quantized",
+        "kv_cache_scheme": _ct_args("tensor", False, observer="minmax") if kv_cache else None,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "global_compression_ratio": None,
         "ignore": sorted(ignore),
         "sparsity_config": {},
         "transform_config": {},
     }
+
+
+def ct_quantization_config(scheme: InferenceScheme, ignore: list[str], kv_cache: bool) -> dict:
+    """The compressed-tensors `quantization_config` llm-compressor writes for this scheme.
+
+    `ignore` lists the Linear module names left unquantized: with `targets: ["Linear"]`, readers
+    (vLLM, compressed-tensors) quantize every other Linear.
+    """
+    return _ct_document([ct_config_group(scheme, ["Linear"])], ignore, kv_cache)
+
+
+def ct_mixed_quantization_config(
+    assignment: dict[str, InferenceScheme], ignore: list[str], kv_cache: bool
+) -> dict:
+    """The compressed-tensors `quantization_config` of a mixed-precision checkpoint: one config group
+    per scheme, its targets the names of the Linears in it ({Linear: scheme}); `ignore` lists every
+    other Linear (vLLM refuses a Linear that no target and no ignore entry names)."""
+    by_scheme: dict[str, list[str]] = {}
+    schemes: dict[str, InferenceScheme] = {}
+    for name, sch in assignment.items():
+        by_scheme.setdefault(sch.name, []).append(name)
+        schemes[sch.name] = sch
+    groups = [ct_config_group(schemes[s], sorted(names)) for s, names in by_scheme.items()]
+    return _ct_document(groups, ignore, kv_cache)
 
 
 def hf_fp8_quantization_config(scheme: InferenceScheme, ignore: list[str]) -> dict:
@@ -128,8 +163,13 @@ class ModuleLayout:
     input_granularity: Granularity
     input_dynamic: bool
     scale_name: str  # "weight_scale" or "weight_scale_inv"
+    block_scheme: str | None = (
+        None  # a block-format scheme (nvfp4, mxfp4...): its tensors, fp4_layout.read_layer
+    )
 
     def as_scheme(self) -> InferenceScheme:
+        if self.block_scheme is not None:
+            return InferenceScheme.from_name(self.block_scheme)
         for s in (InferenceScheme.from_name(n) for n in ("fp8-dynamic", "fp8-static", "fp8-block")):
             if (s.weight_granularity, s.input_granularity, s.input_dynamic) == (
                 self.weight_granularity,
@@ -200,6 +240,14 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
     groups = []
     for gname, group in (qc.get("config_groups") or {}).items():
         w, a = group.get("weights"), group.get("input_activations")
+        block = block_scheme_of(group)
+        if block is not None:
+            sch = InferenceScheme.from_name(block)
+            ml = ModuleLayout(
+                sch.weight_granularity, sch.input_granularity, sch.input_dynamic, "weight_scale", block
+            )
+            groups.append((tuple(group.get("targets") or ("Linear",)), ml))
+            continue
         if not w or w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
             raise MixprecError(f"{where}: config group {gname!r} is not an FP8 weight scheme mixprec loads")
         wg = _granularity(w, f"{where} {gname}.weights")
@@ -216,6 +264,23 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
     return LayoutSpec(
         "compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()), bool(qc.get("kv_cache_scheme"))
     )
+
+
+def block_scheme_of(group: dict) -> str | None:
+    """The block scheme (nvfp4a16, nvfp4, mxfp4a16, mxfp4, mxfp8) a compressed-tensors config group
+    holds, or None when it is none of them: FP4 weights in groups of 16 (NVFP4) or 32 (MXFP4), or FP8
+    weights in groups of 32 with uint8 (E8M0) scales (MXFP8); activations decide A16 or not."""
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    if w.get("type") != "float" or w.get("strategy") not in ("group", "tensor_group"):
+        return None
+    bits, size = int(w.get("num_bits", 0)), int(w.get("group_size") or 0)
+    if bits == 4 and size == 16:
+        return "nvfp4" if a else "nvfp4a16"
+    if bits == 4 and size == 32:
+        return "mxfp4" if a else "mxfp4a16"
+    if bits == 8 and size == 32 and "uint8" in str(w.get("scale_dtype")):
+        return "mxfp8"
+    return None
 
 
 def _modelopt_load_spec(qc: dict, where: str) -> LayoutSpec:
@@ -235,6 +300,12 @@ def _modelopt_load_spec(qc: dict, where: str) -> LayoutSpec:
             fp8[name] = ModuleLayout(
                 s.weight_granularity, s.input_granularity, s.input_dynamic, "weight_scale"
             )
+    for name, scheme_name in MODELOPT_ALGO_SCHEMES.items():
+        s = SCHEMES.get(scheme_name)
+        if s is not None and not s.is_fp8:  # NVFP4: tensors read by fp4_layout.read_layer(modelopt=True)
+            fp8[name] = ModuleLayout(
+                s.weight_granularity, s.input_granularity, s.input_dynamic, "weight_scale", scheme_name
+            )
     if algo in fp8:
         return LayoutSpec("modelopt", ((("Linear",), fp8[algo]),), ignore, kv)
     if algo == "MIXED_PRECISION":
@@ -243,7 +314,7 @@ def _modelopt_load_spec(qc: dict, where: str) -> LayoutSpec:
             sub = str((cfg or {}).get("quant_algo") or "").upper()
             if sub not in fp8:
                 raise MixprecError(
-                    f"{where}: layer {name!r} is {sub or 'unnamed'}; mixprec loads ModelOpt's FP8 algorithms "
+                    f"{where}: layer {name!r} is {sub or 'unnamed'}; mixprec loads ModelOpt's algorithms "
                     f"({', '.join(fp8)}) only; `mixprec inspect` describes the checkpoint"
                 )
             groups.append(((name,), fp8[sub]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.formats import E4M3
+from mixprec.formats import E4M3, pack_nibbles, pow2, unpack_nibbles
 from mixprec.gemm import scaled_mm
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.quantization import quantize
@@ -59,8 +59,12 @@ class QuantizedLinear(nn.Module):
         weight_scale: torch.Tensor | None = None,
         name: str = "weight",
     ) -> QuantizedLinear:
+        """The Linear quantized for `scheme` (block-format schemes give a BlockQuantizedLinear, whose
+        input_scale is the NVFP4 input global scale)."""
         q, _ = quantize_weight(linear.weight.detach(), scheme, name=name, scale=weight_scale)
-        return cls(q, linear.bias, scheme, input_scale=input_scale, out_dtype=linear.weight.dtype)
+        return quantized_linear(
+            q, linear.bias, scheme, input_scale=input_scale, out_dtype=linear.weight.dtype
+        )
 
     # ---- casts and moves -------------------------------------------------------------------------
     _QUANTIZED_BUFFERS = ("weight", "weight_scale", "input_scale")
@@ -70,7 +74,8 @@ class QuantizedLinear(nn.Module):
         """`nn.Module.to/half/float/cuda/...` end here: they hand every floating tensor to `fn`, which
         would upcast the float8 payload (and round the scales). Where `fn` sends a tensor of the output
         dtype says the target device and compute dtype; payload and scales only move to that device."""
-        probe = fn(torch.empty(0, dtype=self.out_dtype, device=self.weight.device))
+        device = next(t.device for k in self._QUANTIZED_BUFFERS if (t := self._buffers.get(k)) is not None)
+        probe = fn(torch.empty(0, dtype=self.out_dtype, device=device))
         kept = {k: self._buffers[k] for k in self._QUANTIZED_BUFFERS}
         for k in kept:
             self._buffers[k] = None  # nn.Module._apply skips None buffers
@@ -131,3 +136,112 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"scheme={self.scheme.name}, weight=e4m3 {self.weight_granularity.name}, input={act}"
         )
+
+
+class BlockQuantizedLinear(QuantizedLinear):
+    """The inference Linear of the block formats (NVFP4, MXFP4, MXFP8): buffers named and typed as a
+    compressed-tensors checkpoint stores them — `weight_packed` (E2M1 codes, two per byte, element 2i
+    in the low nibble) or `weight` (E4M3), `weight_scale` (float8_e4m3fn NVFP4 block scales, or uint8
+    E8M0 codes), `weight_global_scale` (NVFP4) and `input_global_scale` (nvfp4's calibrated one).
+
+    Forward, emulated exactly: weight-only schemes (a16) multiply the input by the dequantized weight
+    (payload * scale / global, exact in fp32) in fp32; W4A4 / MXFP8 quantize the input per call (1x16
+    NVFP4 blocks in the units of input_global_scale, or 1x32 MX blocks) through the one quantize
+    entry and run the GEMM seam (mixprec.gemm.scaled_mm, fp32 accumulation).
+    """
+
+    _QUANTIZED_BUFFERS = (
+        "weight_packed",
+        "weight",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+    )
+
+    def __init__(
+        self,
+        weight: QuantizedTensor,
+        bias: torch.Tensor | None,
+        scheme: InferenceScheme,
+        *,
+        input_scale: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ):
+        nn.Module.__init__(self)
+        out_features, in_features = weight.shape
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.scheme = scheme
+        self.out_dtype = out_dtype
+        self.weight_granularity = weight.granularity
+        self.fmt = weight.fmt
+        packed = weight.fmt.bits == 4
+        self.register_buffer("weight_packed", pack_nibbles(weight.data) if packed else None)
+        self.register_buffer("weight", None if packed else weight.data)
+        e4m3 = weight.granularity.scale_format == "e4m3"
+        self.register_buffer("weight_scale", weight.scale_e4m3() if e4m3 else weight.scale_e8m0())
+        self.register_buffer(
+            "weight_global_scale",
+            None if weight.global_scale is None else weight.global_scale.float().reshape(1),
+        )
+        self.register_buffer(
+            "input_global_scale", None if input_scale is None else input_scale.float().reshape(1)
+        )
+        self.input_scale = None  # no static FP8 input scale (the protocol of QuantizedLinear)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)
+        self._observer = None
+        self._observer_name = None
+
+    @property
+    def input_granularity(self) -> Granularity:
+        return self.scheme.input_granularity
+
+    def quantized_weight(self) -> QuantizedTensor:
+        data = unpack_nibbles(self.weight_packed) if self.weight_packed is not None else self.weight
+        if self.weight_scale.dtype == torch.uint8:  # E8M0 codes: 2^(code - 127)
+            scale = pow2(self.weight_scale.to(torch.int32) - 127)
+        else:
+            scale = self.weight_scale.float()
+        return QuantizedTensor(
+            data, scale, self.fmt, self.weight_granularity,
+            torch.Size((self.out_features, self.in_features)), self.weight_global_scale,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
+        wq = self.quantized_weight()
+        if self.scheme.weights_only:
+            bias = None if self.bias is None else self.bias.float()
+            out = torch.nn.functional.linear(x2.float(), wq.dequantize(), bias).to(self.out_dtype)
+        else:
+            xq = quantize(
+                x2, self.scheme.input_format, self.input_granularity, global_scale=self.input_global_scale
+            )
+            if self._observer is not None:
+                self._observer(self._observer_name, "input", x2.detach(), xq.effective_scale(), xq.fmt)
+            out = scaled_mm(xq, wq, out_dtype=self.out_dtype, bias=self.bias)
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        act = "high precision" if self.scheme.weights_only else f"dynamic {self.input_granularity.name}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"scheme={self.scheme.name}, weight={self.fmt.name} {self.weight_granularity.name}, input={act}"
+        )
+
+
+def quantized_linear(
+    weight: QuantizedTensor,
+    bias: torch.Tensor | None,
+    scheme: InferenceScheme,
+    *,
+    input_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> QuantizedLinear:
+    """The inference Linear for `scheme`: QuantizedLinear for the fp8-* schemes, BlockQuantizedLinear
+    for NVFP4 / MXFP4 / MXFP8 (input_scale: nvfp4's input global scale)."""
+    cls = QuantizedLinear if scheme.is_fp8 else BlockQuantizedLinear
+    return cls(weight, bias, scheme, input_scale=input_scale, out_dtype=out_dtype)

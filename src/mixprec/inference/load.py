@@ -27,13 +27,15 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.hf import build_model, config_dtype, read_config
 from mixprec.inference.experts import unfuse_skeleton
+from mixprec.inference.fp4_layout import read_layer
+from mixprec.inference.fp4_offline import compact_entry
 from mixprec.inference.layouts import (
     LayoutSpec,
     ModuleLayout,
     parse_quantization_config,
     read_quantization_config,
 )
-from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.linear_weights import conversion_transforms, rename_key
 from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
 from mixprec.inference.scales_file import (
@@ -58,6 +60,25 @@ def _scale_grid(scale: torch.Tensor, ml: ModuleLayout, shape: tuple[int, int], w
             f"{where}: scale has {s.numel()} values, the {ml.weight_granularity.name} layout needs {grid}"
         )
     return s.reshape(grid)
+
+
+def _load_block_linear(model, path, mod, name, ml, tensors, spec, dtype, report, root) -> None:
+    """Swap the Linear at `path` for the BlockQuantizedLinear its stored block-format tensors make."""
+    sch = ml.as_scheme()
+    shape = (mod.out_features, mod.in_features)
+    q, input_global = read_layer(tensors, name, sch, shape, str(root), modelopt=spec.layout == "modelopt")
+    if sch.input_global and input_global is None:
+        raise MixprecError(f"{root}: {name} has no input global scale, which scheme {sch.name} needs")
+    bias = tensors.pop(f"{name}.bias", None)
+    if bias is None and mod.bias is not None:
+        raise MixprecError(f"{root}: {name}.bias is missing from the checkpoint")
+    new = quantized_linear(
+        q, bias, sch, input_scale=input_global if sch.input_global else None, out_dtype=dtype
+    )
+    replace_submodule(model, path, new)
+    entry = compact_entry(q, sch, None, shape, input_global if sch.input_global else None, None)
+    entry["weight"]["scale_source"] = "checkpoint"
+    report.add_fp8(name, "Linear", q.data.numel(), entry, type(new).__name__)
 
 
 def _spec_from_scales(doc: dict[str, Any], where: str) -> LayoutSpec:
@@ -173,6 +194,9 @@ def load_quantized(
         name = ckpt_module.get(path, path)
         ml = spec.module_layout(name, type(mod).__name__)
         w_name = f"{name}.weight"
+        if ml is not None and ml.block_scheme is not None:  # NVFP4 / MXFP4 / MXFP8 (fp4_layout)
+            _load_block_linear(model, path, mod, name, ml, tensors, spec, dtype, report, root)
+            continue
         if ml is None or w_name not in tensors:
             continue
         if path in hf_default_skip and tensors[w_name].dtype != torch.float8_e4m3fn:

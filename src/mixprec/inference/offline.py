@@ -19,7 +19,7 @@ import math
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,11 @@ from mixprec.inference.calibration import (
     token_batches,
 )
 from mixprec.inference.experts import unfuse_for_calibration
+from mixprec.inference.fp4_layout import planned_tensors
+from mixprec.inference.fp4_offline import quantize_block_task, weight_global_scales
 from mixprec.inference.layerwise import calibrate_layerwise
 from mixprec.inference.linear_weights import FLOAT_DTYPES, LinearWeights, find_linear_weights
+from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, MIXED, PLAIN, apply_assignment, mixed_assignment
 from mixprec.inference.safetensors_io import (
     Checkpoint,
     PlannedShardWriter,
@@ -109,7 +112,7 @@ def _available_memory() -> int:
 def quantize_checkpoint(
     model_dir: str | Path,
     output_dir: str | Path,
-    scheme: str | InferenceScheme = "fp8-dynamic",
+    scheme: str | InferenceScheme | Mapping[str, str | InferenceScheme] = "fp8-dynamic",
     *,
     ignore: Sequence[str] | None = None,
     default_ignore: bool = True,
@@ -140,15 +143,24 @@ def quantize_checkpoint(
     layer_by_layer (calibration only): run the model one transformer block at a time (True), the
     whole model at once (False), or decide by memory (None: when the checkpoint exceeds half of the
     available RAM).
+
+    scheme as a mapping {Linear name: scheme}: a mixed-precision checkpoint (what `--scheme auto`
+    chooses), one compressed-tensors config group per scheme whose targets name its Linears; every
+    Linear the mapping does not name stays in high precision.
     """
     from mixprec import __version__
 
-    sch = InferenceScheme.from_name(scheme)
+    mixed = mixed_assignment(scheme)
+    sch = InferenceScheme.from_name(scheme) if mixed is None else MIXED
     if format not in layouts.LAYOUTS:
         raise MixprecError(f"unknown checkpoint format {format!r}; known: {', '.join(layouts.LAYOUTS)}")
     if kv_cache not in (None, "fp8", "fp8_e4m3", "e4m3"):
         raise MixprecError(f"--kv-cache takes 'fp8', got {kv_cache!r}")
     if format == "hf-fp8":
+        if mixed is not None:
+            raise MixprecError(
+                "a mixed-precision checkpoint is written in the compressed-tensors layout only"
+            )
         layouts.hf_fp8_quantization_config(sch, [])  # refuses non-block schemes
         if kv_cache:
             raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
@@ -157,9 +169,10 @@ def quantize_checkpoint(
     check_output(model_dir, output_dir, force)
     config = read_source_config(model_dir)
     max_bytes = parse_size(max_shard_size)
-    if sch.needs_calibration or kv_cache:
+    calibrated = [s for s in (mixed or {sch.name: sch}).values() if s.needs_calibration]
+    if calibrated or kv_cache:
         if calib_data is None:
-            raise MixprecError(f"{'scheme ' + sch.name if sch.needs_calibration else '--kv-cache fp8'} needs "
+            raise MixprecError(f"{'scheme ' + calibrated[0].name if calibrated else '--kv-cache fp8'} needs "
                                "--calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")  # fmt: skip
         make_observer(observer)  # fail on a bad name before any work
         texts = load_texts(calib_data)
@@ -172,10 +185,19 @@ def quantize_checkpoint(
     lw = find_linear_weights(ckpt, model_dir, config)
     if lw.warning:
         report.warn(lw.warning)
-    targets, skipped, kept = _select(lw, patterns, sch, format, strict=strict)
+    targets, skipped, kept = _select(
+        lw, patterns, sch if mixed is None else InferenceScheme.from_name(PLAIN), format, strict=strict
+    )
+    schemes = (
+        dict.fromkeys(targets, sch)
+        if mixed is None
+        else apply_assignment(mixed, lw.linears, targets, skipped, kept, format)
+    )
     if not targets:
         report.warn(f"no Linear weight of {model_dir} is quantized (all ignored or none recognised)")
-    unnamed = {n: why for n, (_, why) in kept.items() if why != "ignored by pattern"}
+    unnamed = {
+        n: why for n, (_, why) in kept.items() if why not in ("ignored by pattern", KEPT_BY_ASSIGNMENT)
+    }
     if unnamed:
         listed = "; ".join(f"{n}: {why.split(' (')[0]}" for n, why in list(unnamed.items())[:3])
         report.warn(
@@ -186,10 +208,10 @@ def quantize_checkpoint(
     input_amax: dict[str, float] = {}
     kv_amax: dict[int, tuple[float, float]] = {}
     calibration_info = None
-    if sch.needs_calibration or kv_cache:
+    if calibrated or kv_cache:
         tok = load_tokenizer(model_dir)
         batches = token_batches(texts, tok, calib_samples, calib_seq_len)
-        names = list(targets) if sch.needs_calibration else []
+        names = [n for n in targets if schemes[n].needs_calibration]
         if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
             layer_by_layer = ckpt.total_bytes > 0.5 * _available_memory()
         if layer_by_layer:
@@ -235,15 +257,19 @@ def quantize_checkpoint(
     planned: list[PlannedTensor] = []
     for n, info in ckpt.tensors.items():
         module = n[: -len(".weight")] if n.endswith(".weight") else None
-        if module in targets:
+        if module in targets and not schemes[module].is_fp8:  # NVFP4 / MX: fp4_layout's tensors
+            planned += [PlannedTensor(*t) for t in planned_tensors(module, targets[module], schemes[module])]
+        elif module in targets:
             out_f, in_f = targets[module]
             planned.append(PlannedTensor(n, torch.float8_e4m3fn, info.shape))
             planned.append(
                 PlannedTensor(
-                    f"{module}.{names['weight_scale']}", torch.float32, sch.scale_shape(out_f, in_f)
+                    f"{module}.{names['weight_scale']}",
+                    torch.float32,
+                    schemes[module].scale_shape(out_f, in_f),
                 )
             )
-            if sch.needs_calibration:
+            if schemes[module].needs_calibration:
                 planned.append(PlannedTensor(f"{module}.{names['input_scale']}", torch.float32, (1,)))
         else:
             planned.append(PlannedTensor(n, info.dtype, info.shape))
@@ -263,7 +289,10 @@ def quantize_checkpoint(
             tmp, plan_shards(planned, max_bytes), {"producer": f"mixprec {__version__}"}
         )
         try:
-            _stream_tensors(ckpt, writer, targets, sch, names, input_amax, layers, report, progress)
+            _stream_tensors(
+                ckpt, writer, targets, schemes, names, input_amax, layers, report, progress,
+                weight_global_scales(ckpt, targets, schemes),
+            )  # fmt: skip
             for n, t in kv_tensors.items():
                 writer.write(n, t)
             weight_map = writer.close()
@@ -281,7 +310,11 @@ def quantize_checkpoint(
             )
             report.add_skipped(name, kind, numel, why, role=role)
         out_cfg = dict(config)
-        if format == "compressed-tensors":
+        if mixed is not None:
+            out_cfg["quantization_config"] = layouts.ct_mixed_quantization_config(
+                {n: schemes[n] for n in targets}, ignored_linears, bool(kv_cache)
+            )
+        elif format == "compressed-tensors":
             out_cfg["quantization_config"] = layouts.ct_quantization_config(
                 sch, ignored_linears, bool(kv_cache)
             )
@@ -291,7 +324,9 @@ def quantize_checkpoint(
         copied = copy_side_files(model_dir, tmp, skip=set())
         report.notes.append(f"copied {', '.join(copied) or 'no side files'}")
         doc = build_document(
-            scheme=sch.name, layout=format, layers=layers, kv_cache=kv_doc, ignored=skipped,
+            # block-format layers stay out: their scales are in the checkpoint, millions of them
+            scheme=sch.name, layout=format, layers={n: e for n, e in layers.items() if schemes[n].is_fp8},
+            kv_cache=kv_doc, ignored=skipped,
             calibration=calibration_info, producer=f"mixprec {__version__}",
         )  # fmt: skip
         write_scales_file(tmp / "model.fp8_scales.json", doc)
@@ -306,7 +341,7 @@ def _select(lw: LinearWeights, patterns: Sequence[str], sch: InferenceScheme, la
     skipped: dict[str, str] = {}
     kept: dict[str, tuple[str, str]] = {}
     for name, (out_f, in_f) in lw.linears.items():
-        why = skip_reason(name, out_f, in_f, patterns)
+        why = skip_reason(name, out_f, in_f, patterns, sch)
         if why:
             skipped[name] = why
             kept[name] = ("Linear", why)
@@ -363,14 +398,15 @@ def _stream_tensors(
     ckpt: Checkpoint,
     writer: PlannedShardWriter,
     targets: dict[str, tuple[int, int]],
-    sch: InferenceScheme,
+    schemes: dict[str, InferenceScheme],
     names: dict[str, str],
     input_amax: dict[str, float],
     layers: dict[str, dict[str, Any]],
     report: ConversionReport,
     progress: bool,
+    weight_globals: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Every input tensor to the writer, in plan order.
+    """Every input tensor to the writer, in plan order (weight_globals: NVFP4's shared global scales).
 
     Linear weights are read and quantized on worker threads (one intra-op thread each: torch releases
     the GIL, and small per-op parallel regions are slow on a busy machine), a few ahead of the writer;
@@ -391,7 +427,11 @@ def _stream_tensors(
         with (
             ShardReader() as reader,
             ThreadPoolExecutor(max_workers=workers) as pool,
-            progress_bar(progress, f"quantizing ({sch.name})", len(ckpt.tensors)) as advance,
+            progress_bar(
+                progress,
+                f"quantizing ({'+'.join(dict.fromkeys(s.name for s in schemes.values()))})",
+                len(ckpt.tensors),
+            ) as advance,
         ):
             todo = iter(ckpt.tensors.items())
             pending: deque = deque()  # (info, module, future or None), in plan order
@@ -403,8 +443,8 @@ def _stream_tensors(
                     module = n[: -len(".weight")] if n.endswith(".weight") else None
                     if module in targets:
                         fut = pool.submit(
-                            _quantize_task, reader, info, module, targets[module], sch, names,
-                            input_amax.get(module), in_pool, out_pool,
+                            _quantize_task, reader, info, module, targets[module], schemes[module], names,
+                            input_amax.get(module), in_pool, out_pool, (weight_globals or {}).get(module),
                         )  # fmt: skip
                         pending.append((info, module, fut))
                         in_flight += 1
@@ -488,9 +528,12 @@ def _quantize_task(
     in_amax: float | None,
     in_pool: _BufferPool,
     out_pool: _BufferPool,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]:
     """Read and quantize one Linear weight (on a worker thread): the output tensors in plan order, its
     scales-file entry, and the payload buffer to release once written."""
+    if not sch.is_fp8:
+        return quantize_block_task(reader, info, module, shape, sch, in_amax, in_pool, out_pool, global_scale)
     buf = in_pool.get()
     try:
         w = reader.get(info, out=buf)

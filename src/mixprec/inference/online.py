@@ -17,7 +17,9 @@ from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration import StopRule, calibrate, load_texts, token_batches
-from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.fp4_layout import fused_global_scales, input_global_scale
+from mixprec.inference.fp4_offline import compact_entry
+from mixprec.inference.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.scales_file import layer_entry
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
 from mixprec.scaling import compute_scale
@@ -30,7 +32,7 @@ def linear_targets(
     targets, skipped = [], {}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear):
-            why = skip_reason(name, m.out_features, m.in_features, ignore)
+            why = skip_reason(name, m.out_features, m.in_features, ignore, scheme)
             if why is None and m.weight.device.type == "meta":
                 why = "weight on the meta device"
             if why:
@@ -116,6 +118,12 @@ def quantize_model_(
             )
 
     was_training = model.training
+    # NVFP4: the shards of a fused GEMM (q/k/v, gate/up) share one weight global scale
+    nv = [n for n in targets if sch.weight_granularity.scale_format == "e4m3"]
+    weight_globals = fused_global_scales(
+        {n: max(-float(lo), float(hi)) for n in nv for lo, hi in [torch.aminmax(modules[n].weight.detach())]},
+        param_dtype,
+    ) if nv else {}  # fmt: skip
     for name in targets:
         lin = modules[name]
         given = layers_in.get(name, {})
@@ -126,7 +134,13 @@ def quantize_model_(
             )
             if w_scale.dim() == 1:
                 w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
-        q, stats = quantize_weight(lin.weight.detach(), sch, name=f"{name}.weight", scale=w_scale)
+        q, stats = quantize_weight(
+            lin.weight.detach(),
+            sch,
+            name=f"{name}.weight",
+            scale=w_scale,
+            global_scale=weight_globals.get(name),
+        )
         in_scale = None
         in_amax = None
         if sch.needs_calibration:
@@ -134,8 +148,11 @@ def quantize_model_(
                 in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
             else:
                 in_amax = input_amax[name]
-                in_scale = compute_scale(in_amax, E4M3).reshape(1)
-        new = QuantizedLinear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
+                if sch.input_global:  # nvfp4: the static input global scale, in the weights' dtype
+                    in_scale = input_global_scale(in_amax, lin.weight.dtype)
+                else:
+                    in_scale = compute_scale(in_amax, E4M3).reshape(1)
+        new = quantized_linear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
         new.train(False)
         replace_submodule(model, name, new)
         modules[name] = new
@@ -144,8 +161,8 @@ def quantize_model_(
             weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
             input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
             input_granularity=sch.input_granularity.name,
-        )  # fmt: skip
-        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, "QuantizedLinear")
+        ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
+        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__)
         del lin
     for name, why in skipped.items():
         m = modules[name]

@@ -22,7 +22,7 @@ from mixprec.errors import MixprecError
 from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
 from mixprec.inference import layouts
 from mixprec.inference.experts import UnfusedExperts
-from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.linear import BlockQuantizedLinear, QuantizedLinear
 from mixprec.inference.safetensors_io import PlannedShardWriter, PlannedTensor, plan_shards, write_index
 from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
@@ -32,6 +32,8 @@ DEFAULT_MAX_SHARD_SIZE = 2 << 30
 
 def _scheme_of(name: str, m: QuantizedLinear) -> InferenceScheme:
     """The named scheme the layer's stored tensors follow (what the checkpoint's config will say)."""
+    if isinstance(m, BlockQuantizedLinear):  # NVFP4 / MX: its buffers are already the layout's tensors
+        return m.scheme
     for candidate in (InferenceScheme.from_name(n) for n in SCHEMES):
         static = not candidate.input_dynamic
         if (
@@ -133,6 +135,8 @@ def save_quantized(
     known = getattr(report, "layers", None) or {}
     layers: dict[str, dict[str, Any]] = {}
     for n, m in quantized.items():
+        if isinstance(m, BlockQuantizedLinear):  # its block scales live in the checkpoint (millions)
+            continue
         before = known.get(n, {})
         q = m.quantized_weight()
         entry = layer_entry(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3, check_float_tensor
+from mixprec.formats import Format, check_float_tensor, get_format
 from mixprec.quantization import QuantizationStats, quantize_with_stats
 from mixprec.scaling import Granularity, QuantizedTensor
 from mixprec.select import (
@@ -31,21 +31,43 @@ from mixprec.select import (
 
 @dataclass(frozen=True)
 class InferenceScheme:
-    """How weights and activations of a Linear are quantized to FP8 E4M3 for inference."""
+    """How weights and activations of a Linear are quantized for inference: FP8 E4M3 (the fp8-*
+    schemes), or the block formats NVFP4 / MXFP4 / MXFP8 (weight_format e2m1 or e4m3 with E4M3 or E8M0
+    block scales; input_format None = weights only, activations stay in high precision)."""
 
     name: str
     weight_granularity: Granularity
     input_granularity: Granularity
     input_dynamic: bool  # False: one static per-tensor input scale from calibration
     description: str = ""
+    weight_format: str = "e4m3"
+    input_format: str | None = "e4m3"  # None: weight-only (A16)
+    # True (nvfp4): inputs get dynamic per-block scales in the units of a calibrated static
+    # per-tensor global scale (compressed-tensors' input_global_scale)
+    input_global: bool = False
 
     @property
     def needs_calibration(self) -> bool:
-        return not self.input_dynamic
+        return self.input_format is not None and (not self.input_dynamic or self.input_global)
 
     @property
-    def fmt(self):
-        return E4M3
+    def fmt(self) -> Format:
+        """The weight payload's format."""
+        return get_format(self.weight_format)
+
+    @property
+    def weights_only(self) -> bool:
+        return self.input_format is None
+
+    @property
+    def is_fp8(self) -> bool:
+        """An fp8-* scheme: E4M3 payload with fp32 scales (the compressed-tensors float-quantized layout)."""
+        return self.weight_granularity.scale_format == "fp32"
+
+    @property
+    def block_size(self) -> int | None:
+        """Elements per scale along K for the block formats (16 NVFP4, 32 MX), None for FP8 schemes."""
+        return None if self.is_fp8 else self.weight_granularity.block_cols
 
     @classmethod
     def from_name(cls, name: str | InferenceScheme) -> InferenceScheme:
@@ -63,6 +85,26 @@ class InferenceScheme:
         """Shape of the weight scale as stored in a compressed-tensors checkpoint."""
         grid = self.weight_granularity.scale_shape(out_features, in_features)
         return (1,) if grid == (1, 1) and self.weight_granularity.name == "tensor" else grid
+
+    def stored_bits(self, out_features: int, in_features: int) -> int:
+        """Bits one [out, in] Linear takes in a checkpoint of this scheme, scales counted: the weight
+        payload (fmt.bits per element), one weight scale per block (32 bits fp32, 8 bits E8M0/E4M3),
+        an fp32 global scale where the block scales are E4M3 (NVFP4), and one fp32 static input
+        scale for a calibrated scheme. What `--scheme auto` budgets count: fp8-dynamic 8 + 32/in bits
+        per weight, fp8-block 8 + 32/128^2."""
+        gran = self.weight_granularity
+        scale_bits = 32 if gran.scale_format == "fp32" else 8
+        bits = self.fmt.bits * out_features * in_features
+        bits += scale_bits * math.prod(gran.scale_shape(out_features, in_features))
+        if gran.scale_format == "e4m3":
+            bits += 32  # the per-tensor global scale
+        return bits + (32 if self.needs_calibration else 0)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Nominal bits per weight of a 4096 x 4096 Linear (stored_bits / weights): fp8-dynamic 8.008,
+        fp8-block 8.002 — for tables; budgets count each layer's own `stored_bits`."""
+        return self.stored_bits(4096, 4096) / 4096**2
 
 
 SCHEMES: dict[str, InferenceScheme] = {
@@ -91,7 +133,34 @@ SCHEMES: dict[str, InferenceScheme] = {
         ),
     )
 }
-_ALIASES = {"fp8": "fp8-static", "fp8-dynamic-per-token": "fp8-dynamic", "fp8-blockwise": "fp8-block"}
+# NVFP4 as compressed-tensors / llm-compressor / vLLM (1x16 E2M1 blocks, E4M3 block scales in units of
+# an fp32 global scale computed in the weight's dtype); MX as compressed-tensors writes it (1x32 blocks,
+# E8M0 scales by torchao's "even" rule)
+_NV = Granularity.nvfp4(scale_math="input")
+_MX = Granularity.mx(32, rounding="even")
+SCHEMES.update(
+    {
+        s.name: s
+        for s in (
+            InferenceScheme("nvfp4a16", _NV, Granularity.rows(), True,
+                            "NVFP4 weights (E2M1, 1x16 blocks, E4M3 scales x fp32 global), 16-bit activations",
+                            "e2m1", None),
+            InferenceScheme("nvfp4", _NV, _NV, True,
+                            "NVFP4 weights and activations: dynamic 1x16 input blocks in a calibrated global scale",
+                            "e2m1", "e2m1", input_global=True),
+            InferenceScheme("mxfp4a16", _MX, Granularity.rows(), True,
+                            "MXFP4 weights (E2M1, 1x32 blocks, E8M0 scales), 16-bit activations", "e2m1", None),
+            InferenceScheme("mxfp4", _MX, _MX, True,
+                            "MXFP4 weights and dynamic MXFP4 activations (1x32 blocks, E8M0 scales)",
+                            "e2m1", "e2m1"),
+            InferenceScheme("mxfp8", _MX, _MX, True,
+                            "MXFP8 weights and dynamic MXFP8 activations (E4M3, 1x32 blocks, E8M0 scales)",
+                            "e4m3", "e4m3"),
+        )
+    }
+)  # fmt: skip
+_ALIASES = {"fp8": "fp8-static", "fp8-dynamic-per-token": "fp8-dynamic", "fp8-blockwise": "fp8-block",
+            "nvfp4-a16": "nvfp4a16", "w4a16-nvfp4": "nvfp4a16", "mxfp4-a16": "mxfp4a16"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,10 +185,34 @@ def resolve_ignore(ignore: Sequence[str] | None, *, defaults: bool = True) -> tu
     return (*DEFAULT_IGNORE, *user) if defaults else user
 
 
-def skip_reason(name: str, out_features: int, in_features: int, ignore: Sequence[str]) -> str | None:
-    """Why this Linear stays in high precision, or None when it is quantized."""
+BLOCK_DIMS_RULE = "in_features not a multiple of the block"
+
+
+def block_dims_reason(scheme: InferenceScheme, out_features: int, in_features: int) -> str | None:
+    """Why a block-format scheme (NVFP4, MX) leaves this Linear in high precision, or None: its scale
+    blocks run along K (in_features), which the block size must divide (compressed-tensors refuses a
+    partial group, and packing needs pairs of FP4 values)."""
+    block = scheme.block_size
+    if block is None or in_features % block == 0:
+        return None
+    return f"{BLOCK_DIMS_RULE} ({in_features} is not a multiple of {scheme.name}'s {block}-element blocks)"
+
+
+def skip_reason(
+    name: str,
+    out_features: int,
+    in_features: int,
+    ignore: Sequence[str],
+    scheme: InferenceScheme | None = None,
+) -> str | None:
+    """Why this Linear stays in high precision, or None when it is quantized (block formats: also when
+    their block does not divide in_features, block_dims_reason)."""
     if selects_any(name, ignore):
         return "ignored by pattern"
+    if scheme is not None:
+        why = block_dims_reason(scheme, out_features, in_features)
+        if why:
+            return why
     return fp8_dims_reason(out_features, in_features)
 
 
@@ -228,15 +321,19 @@ def quantize_weight(
     scale: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[QuantizedTensor, QuantizationStats]:
-    """FP8 E4M3 weight + scales for `scheme` (its weight granularity), with statistics:
-    quantize_with_stats(w, E4M3, scheme.weight_granularity, scale=scale, out=out). `out`: a contiguous
-    E4M3 tensor of w's shape to hold the payload (a buffer the caller reuses). MixprecError naming the
-    tensor if it is not a 2-D floating-point weight or holds NaN/inf."""
+    """The weight payload + scales for `scheme` (its format and weight granularity), with statistics:
+    quantize_with_stats(w, scheme.fmt, scheme.weight_granularity, scale=scale, out=out,
+    global_scale=global_scale). `out`: a contiguous payload tensor of w's shape (a buffer the caller
+    reuses). global_scale (NVFP4): the fused group's shared one; None computes the weight's own.
+    MixprecError naming the tensor if it is not a 2-D floating-point weight or holds NaN/inf."""
     if w.dim() != 2:
         raise MixprecError(f"{name!r}: a Linear weight must be 2-D, got shape {tuple(w.shape)}")
     check_float_tensor(w, name)
-    q, stats = quantize_with_stats(w, E4M3, scheme.weight_granularity, scale=scale, out=out)
+    q, stats = quantize_with_stats(
+        w, scheme.fmt, scheme.weight_granularity, scale=scale, out=out, global_scale=global_scale
+    )
     if not math.isfinite(stats.relative_error):
         check_finite(w, name)  # NaN/inf raise here, naming the tensor
     return q, stats

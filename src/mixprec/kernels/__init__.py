@@ -8,6 +8,8 @@
   scale layouts, the blockwise plan, the kernel report for `mixprec doctor`) and
   `triton_blockwise_gemm`;
 - `hardware`: what this machine can run, detected, never assumed.
+- `bf16_cpu`: bf16/fp16 GEMMs computed in fp32 and rounded once on CPUs without AVX-512-BF16 / AMX
+  (decided from `hardware`), for training (convert_for_training) and inference calibration alike.
 
 Everything here imports on a CPU-only machine without triton. The Triton modules
 (`triton_quant`, `triton_blockwise_gemm`) import triton themselves: they are reached through imports

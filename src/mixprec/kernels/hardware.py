@@ -16,6 +16,7 @@ import torch
 BF16_TENSOR_CORES = (8, 0)  # Ampere
 FP8_TENSOR_CORES = (8, 9)  # Ada / Hopper
 MXFP8_TENSOR_CORES = (10, 0)  # Blackwell
+FP4_TENSOR_CORES = (10, 0)  # Blackwell: NVFP4 and MXFP4 (E2M1) tensor cores
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Capabilities:
     mxfp8_native: bool  # MXFP8 tensor cores (SM 10.0+); mixprec.gemm still emulates MX GEMMs there
     scaled_mm_cpu: bool  # torch._scaled_mm runs on this CPU (tensorwise and rowwise)
     scaled_mm_cuda: bool
+    # FP4 (E2M1) tensor cores (SM 10.0+) and a torch with the packed FP4 dtype; mixprec.gemm still
+    # emulates FP4 GEMMs there (gemm.fp4_native_reason)
+    fp4_native: bool = False
 
     @property
     def cpu_bf16_native(self) -> bool:
@@ -110,6 +114,9 @@ def detect() -> Capabilities:
         mxfp8_native=bool(scaled_cuda and capability >= MXFP8_TENSOR_CORES),
         scaled_mm_cpu=_scaled_mm_works("cpu"),
         scaled_mm_cuda=bool(scaled_cuda),
+        fp4_native=bool(
+            scaled_cuda and capability >= FP4_TENSOR_CORES and hasattr(torch, "float4_e2m1fn_x2")
+        ),
     )
 
 

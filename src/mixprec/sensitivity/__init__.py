@@ -7,8 +7,14 @@ actual quantizations by THE quantizer — and the policies drawn from it.
 - policy: `automatic_policy`, the layers to keep in bf16 for a recipe, as an ordinary training Policy;
 - limits: the saturation / underflow / SNR limits that compare, profile and policy share;
 - report: profile.json and the HTML heat maps.
+- scores: per-layer sensitivity of the inference schemes (gradient-weighted output error, or KL);
+- allocation: the exact choice of one scheme per fused group under a size budget;
+- automatic: `--scheme auto` (score, choose, write one mixed-precision checkpoint) and the
+  `quantize_model_` that dispatches scheme "auto"; auto_report: its JSON and HTML report.
 """
 
+from mixprec.sensitivity.allocation import Allocation, Budget, allocate
+from mixprec.sensitivity.automatic import AutoResult, auto_quantize_checkpoint
 from mixprec.sensitivity.limits import MIN_SNR_DB, SATURATION_LIMIT, UNDERFLOW_LIMIT, Limits
 from mixprec.sensitivity.policy import AutomaticPolicy, KeptLayer, automatic_policy
 from mixprec.sensitivity.profile import (
@@ -22,22 +28,30 @@ from mixprec.sensitivity.profile import (
     resolve_recipes,
 )
 from mixprec.sensitivity.report import policy_section, profile_document, write_profile
+from mixprec.sensitivity.scores import KEPT, Scores, score_model
 from mixprec.sensitivity.simulate import RecipeScales, is_quantizing
 from mixprec.sensitivity.statistics import Counts, quantization_counts
 
 __all__ = [
+    "KEPT",
     "MIN_SNR_DB",
     "PRECISIONS",
     "SATURATION_LIMIT",
     "SCHEMA_VERSION",
     "UNDERFLOW_LIMIT",
+    "Allocation",
+    "AutoResult",
     "AutomaticPolicy",
+    "Budget",
     "Cell",
     "Counts",
     "KeptLayer",
     "Limits",
     "Profile",
     "RecipeScales",
+    "Scores",
+    "allocate",
+    "auto_quantize_checkpoint",
     "automatic_policy",
     "is_quantizing",
     "policy_section",
@@ -47,5 +61,6 @@ __all__ = [
     "quantization_counts",
     "quantizing_recipes",
     "resolve_recipes",
+    "score_model",
     "write_profile",
 ]

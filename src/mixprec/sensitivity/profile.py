@@ -15,7 +15,10 @@ optimizer step (mixprec's AdamW), so the history sees the weights move as in ear
 lr = 0 (the default) keeps the weights, and the passes differ only by their batches.
 
 Recipes: every recipe of the registry (mixprec.recipes.RECIPES) that quantizes (has `operand`), with
-its default options, unless a list is given: new recipes join without a change here.
+its default options, unless a list is given: new recipes join without a change here. The FP4 recipes'
+stochastically rounded grad_output is quantized with the noise training would draw for it at that
+step (mixprec.training.fp8_linear.rounding_key: seed, pass as the step, rank 0, the first backward of
+the step), so its counts are those of the FP4 run's first backward.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from mixprec.scaling import as_2d
 from mixprec.sensitivity.simulate import RecipeScales, is_quantizing
 from mixprec.sensitivity.statistics import Counts, quantization_counts
 from mixprec.training import convert_for_training
+from mixprec.training.fp8_linear import rounding_key
 from mixprec.training.optim import AdamW
 from mixprec.training.policy import Policy, decide
 
@@ -266,9 +270,13 @@ def profile_model(
             op = obj.operand(role, False)  # type: ignore[attr-defined]
             state = scales[(name, spec)]
             scale = state.scale(role, t2, op.fmt)
+            key = None
+            if op.stochastic:  # the noise of this tensor in the run: grad_output in the grad_input GEMM
+                key = rounding_key(obj.seed, pass_index, 0, name, "grad_input", role)  # type: ignore[attr-defined]
             counts, _ = quantization_counts(
-                t2, op.fmt, op.granularity, scale=scale, margin=state.margin, power_of_two=op.power_of_two
-            )
+                t2, op.fmt, op.granularity, scale=scale, margin=state.margin, power_of_two=op.power_of_two,
+                rounding_key=key,
+            )  # fmt: skip
             cell = cells[(name, role, spec)]
             if len(cell.passes) > pass_index:  # the layer ran twice in this pass (a shared module)
                 cell.passes[pass_index] = cell.passes[pass_index].merge(counts)

@@ -73,18 +73,24 @@ def quantization_counts(
     scale: torch.Tensor | float | None = None,
     margin: int = 0,
     power_of_two: bool = False,
+    rounding_key: int | None = None,
 ) -> tuple[Counts, QuantizedTensor]:
-    """Quantize x (quantization.quantize, same arguments) and count what it did; x is not modified."""
+    """Quantize x (quantization.quantize, same arguments) and count what it did; x is not modified.
+    NVFP4 scales count through their dequantization multiplier (QuantizedTensor.effective_scale)."""
     fmt = get_format(fmt)
     x2 = as_2d(x.detach())
-    q = quantize(x2, fmt, granularity, scale=scale, margin=margin, power_of_two=power_of_two)
+    q = quantize(
+        x2, fmt, granularity, scale=scale, margin=margin, power_of_two=power_of_two, rounding_key=rounding_key
+    )
     with torch.no_grad():
         xf = x2.float()
         values = decode(q.data, fmt)  # the payload's values (fp32, exact)
         saturated = _saturated(xf, values, q, fmt)
         nonzero = xf != 0
         underflowed = int((nonzero & (values == 0)).sum())
-        error = apply_blockwise(values, q.scale, q.granularity, torch.mul)  # = dequantize(q), in place below
+        error = apply_blockwise(
+            values, q.effective_scale(), q.granularity, torch.mul
+        )  # = dequantize(q), in place below
         torch.sub(xf, error, out=error)
         # fp32 dot products (BLAS, fast); float64 over the finite elements when one overflows or x has inf/NaN
         signal = float(xf.reshape(-1) @ xf.reshape(-1))
@@ -105,7 +111,7 @@ def _saturated(xf: torch.Tensor, values: torch.Tensor, q: QuantizedTensor, fmt: 
         return 0
     rows, cols = torch.nonzero(candidates, as_tuple=True)
     br, bc = q.granularity.block_shape(*xf.shape)
-    scale = q.scale[rows // br, cols // bc]
+    scale = q.effective_scale()[rows // br, cols // bc]
     scaled = xf[rows, cols] / scale
     return int((~(scaled.abs() <= fmt.max)).sum())  # NaN and inf are not <= max
 

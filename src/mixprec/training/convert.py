@@ -7,6 +7,8 @@ What each recipe kind does to the model:
 - fp8 (fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8): parameters to bf16; every Linear
   the policy lets through becomes ``Fp8Linear`` (training-core's module, all three GEMMs in FP8); fused
   3-D experts get FP8 GEMMs per expert (training/grouped.py) or are reported skipped.
+- fp4 (fp4-nvfp4, fp4-mxfp4): the same, with FP4 GEMMs (``Fp8Linear`` takes FP4 recipes); a recipe's
+  ``keep_last=N`` keeps the model's last N blocks in bf16 (policy.last_blocks), after the policy's own rules.
 - bf16: parameters to bf16 ("pure" bf16; pair with mixprec.optim.AdamW for fp32 master weights,
   fp32 gradient accumulation and bf16 moments).
 - bf16-amp / fp16-amp: fp32 parameters, the model's forward runs under torch.autocast (hooks on the
@@ -31,12 +33,12 @@ from torch import nn
 
 from mixprec.conversion import ConversionReport, ModuleEntry, replace_submodule
 from mixprec.errors import MixprecError
-from mixprec.recipes import from_name
+from mixprec.recipes import QUANTIZED_KINDS, from_name
 from mixprec.training import bf16_cpu
 from mixprec.training.fast_paths import true_fp32_hooks
 from mixprec.training.fp8_linear import Fp8Linear
 from mixprec.training.grouped import convert_experts
-from mixprec.training.policy import Decision, Policy, decide
+from mixprec.training.policy import Decision, Policy, decide, keep_last_blocks
 
 
 def resolve_recipe(recipe: Any) -> tuple[str, Any, str]:
@@ -150,9 +152,9 @@ def _cast_params(modules: list[nn.Module], dtype: torch.dtype, done: set[int]) -
 
 def _precision(kind: str, recipe_name: str, action: str) -> str:
     if action == "fp32":
-        return "fp32" if kind in ("fp32", "bf16", "fp8") else "fp32 (autocast off)"
-    if kind == "fp8":
-        return f"fp8:{recipe_name}" if action == "convert" else "bf16"
+        return "fp32" if kind in ("fp32", "bf16", *QUANTIZED_KINDS) else "fp32 (autocast off)"
+    if kind in QUANTIZED_KINDS:
+        return f"{kind}:{recipe_name}" if action == "convert" else "bf16"
     if kind == "bf16":
         return "bf16"
     if kind in ("bf16-amp", "fp16-amp"):
@@ -221,9 +223,11 @@ def convert_for_training(
         raise MixprecError(
             f"policy must be a mixprec.training.Policy or a dict of name pattern -> action, got {type(policy).__name__}"
         )
+    if getattr(recipe_obj, "keep_last", 0):
+        policy = keep_last_blocks(model, policy, recipe_obj.keep_last, recipe_name)
     decisions = decide(model, policy)
 
-    if kind == "fp8" and not any(
+    if kind in QUANTIZED_KINDS and not any(
         d.action == "convert" and d.role in ("linear", "head", "router", "experts") for d in decisions
     ):
         kept = [
@@ -232,7 +236,7 @@ def convert_for_training(
         detail = "; ".join(kept[:6]) if kept else "it has no nn.Linear and no fused experts"
         raise MixprecError(f"nothing to convert to {recipe_name} in {type(model).__name__}: {detail}")
 
-    low = {"bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(kind, torch.float32)
+    low = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp4": torch.bfloat16}.get(kind, torch.float32)
     modules = dict(model.named_modules())
     island_names = [d.name for d in decisions if d.action == "fp32"]
     done: set[int] = set()
@@ -246,7 +250,7 @@ def convert_for_training(
         prec = "-" if d.action == "none" else _precision(kind, recipe_name, d.action)
         entries[d.name] = ModuleEntry(d.name, d.type_name, d.role, prec, d.reason, num_params=d.num_params)
 
-    if kind == "fp8":
+    if kind in QUANTIZED_KINDS:
         _apply_fp8(model, decisions, recipe_obj, recipe_name, entries, state)
 
     for n in island_names:
@@ -264,12 +268,12 @@ def convert_for_training(
         notes.append("CPU: bf16/fp16 GEMMs compute in fp32 and round (as a GPU GEMM with fp32 accumulation)")
     elif kind != "fp32" and device.type == "cpu":
         notes.append("CPU: native bf16/fp16 GEMMs (this CPU has AVX-512-BF16/AMX, or cpu_bf16_gemm='native')")
-    if kind in ("bf16", "fp8"):
+    if kind in ("bf16", *QUANTIZED_KINDS):
         notes.append("use mixprec.optim.AdamW: fp32 master weights, fp32 gradient accumulation, bf16 moments")
     if kind == "fp16-amp":
         notes.append("fp16 needs loss scaling: mixprec.training.make_grad_scaler(model)")
     config = getattr(model, "config", None)
-    if config is not None and kind in ("bf16", "fp8"):
+    if config is not None and kind in ("bf16", *QUANTIZED_KINDS):
         config.dtype = torch.bfloat16  # what save_pretrained records; export_for_inference sets its own
 
     report = ConversionReport(

@@ -18,24 +18,56 @@ transposed layout differs (rowwise, MX) and reused transposed otherwise (per ten
 
 The parameters are the Linear's own (same objects, same names), so a state_dict holds weight/bias
 as nn.Linear's plus, for delayed scaling, the buffers of mixprec.training.scaling_state.
+
+FP4 recipes (kind "fp4": fp4-nvfp4, fp4-mxfp4) run through the same three GEMMs. Operands whose layout
+asks for it get the random Hadamard transform along their K first (the wgrad operands dYᵀ and Xᵀ: 16
+consecutive tokens mixed by one orthogonal matrix, mixprec.hadamard, from the recipe's seed) and
+stochastic rounding (grad_output in both backward GEMMs; mixprec.rounding). The rounding noise is keyed
+by (seed, optimizer step, data-parallel rank, tensor): the tensor is the layer's name, the GEMM and
+the backward call within the step. The layer keeps its seed and step in the buffer `fp4_state`
+(int64 [seed, step]; in the state_dict, hence in every checkpoint), advanced with the optimizer step,
+so a resumed run draws the same noise and the same signs as the original.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.gemm import BACKENDS, scaled_mm, transpose_quantized, will_emulate, with_decoded
+from mixprec.gemm import BACKENDS, scaled_mm, transposable, transpose_quantized, will_emulate, with_decoded
+from mixprec.hadamard import rht_matrix, transform_rows
 from mixprec.quantization import quantize, quantize_transposed
-from mixprec.recipes import GEMMS, Fp8Recipe, GemmLayout, OperandLayout, UnscaledFp8, from_name
+from mixprec.recipes import (
+    GEMMS,
+    QUANTIZED_KINDS,
+    Fp8Recipe,
+    GemmLayout,
+    OperandLayout,
+    UnscaledFp8,
+    from_name,
+)
+from mixprec.rounding import hash32, stream_key, tensor_id
 from mixprec.scaling import Granularity, QuantizedTensor, as_transposed
 from mixprec.training import scaling_state
 from mixprec.training.weight_cache import cache_of
 
 
 def _transposable(g: Granularity) -> bool:
-    return g.block_rows == g.block_cols and g.scale_format == "fp32"
+    return transposable(g)
+
+
+def data_parallel_rank() -> int:
+    """This process's rank (0 without torch.distributed): one of the four parts of a noise key."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rounding_key(seed: int, step: int, rank: int, layer: str, gemm: str, role: str, call: int = 1) -> int:
+    """The stochastic-rounding noise key of one operand: (seed, optimizer step, rank, tensor), the
+    tensor being the layer's name, the GEMM, the role and the backward call within the step (1 for
+    the first). The one definition: Fp8Linear and the what-if profile both use it."""
+    return stream_key(seed, step, rank, hash32(tensor_id(f"{layer}:{gemm}:{role}") + call))
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -105,12 +137,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         plan = layer._plan
         meta_x, meta_w, x_is_forward_payload, weight_is_param = ctx.meta
         saved = list(ctx.saved_tensors)
-        qxt = _repack(saved[:2], meta_x) if meta_x is not None else None
-        qw = _repack(saved[2:4], meta_w) if meta_w is not None else None
-        weight = saved[4]
+        qxt = _repack(saved[:3], meta_x) if meta_x is not None else None
+        qw = _repack(saved[3:6], meta_w) if meta_w is not None else None
+        weight = saved[6]
         dy2 = grad_out.reshape(-1, grad_out.shape[-1])
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
+        if layer._fp4:  # a new noise stream for every backward of the step (FP4's stochastic rounding); FP8
+            layer._backward_calls += 1  # layers keep no such state, so torch.compile sees no side effect
 
         # per-tensor recipes: one dY payload serves both GEMMs (transposed for grad_weight)
         dy_shared = _transposable(plan["grad_weight"].a.granularity)
@@ -144,13 +178,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
 def _unpack_spec(q: QuantizedTensor | None, transposed_to: Granularity | None = None):
     """(tensors to save, meta); transposed_to: rebuild as_transposed(q, transposed_to) in backward."""
     if q is None:
-        return (None, None), None
-    return (q.data, q.scale), (q.fmt, q.granularity, q.shape, transposed_to)
+        return (None, None, None), None
+    return (q.data, q.scale, q.global_scale), (q.fmt, q.granularity, q.shape, transposed_to)
 
 
 def _repack(tensors, meta) -> QuantizedTensor:
     fmt, g, shape, transposed_to = meta
-    q = QuantizedTensor(tensors[0], tensors[1], fmt, g, shape)
+    q = QuantizedTensor(tensors[0], tensors[1], fmt, g, shape, tensors[2])
     return q if transposed_to is None else as_transposed(q, transposed_to)
 
 
@@ -185,10 +219,10 @@ class Fp8Linear(nn.Module):
 
     def _setup(self, recipe: str | Fp8Recipe, name: str | None, backend: str) -> None:
         recipe = from_name(recipe)
-        if recipe.kind != "fp8":
+        if recipe.kind not in QUANTIZED_KINDS:
             raise MixprecError(
-                f"Fp8Linear{f' {name}' if name else ''}: recipe {recipe.spec()!r} is not an FP8 recipe "
-                "(fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8)"
+                f"Fp8Linear{f' {name}' if name else ''}: recipe {recipe.spec()!r} is not an FP8 recipe nor an FP4 one "
+                "(fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8, fp4-nvfp4, fp4-mxfp4)"
             )
         if backend not in BACKENDS:
             raise MixprecError(f"unknown GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -207,6 +241,11 @@ class Fp8Linear(nn.Module):
         if self._delayed:
             for key, buf in scaling_state.new_buffers(recipe.amax_history_len, self.weight.device).items():
                 self.register_buffer(key, buf)
+        self._fp4 = recipe.kind == "fp4"
+        self._backward_calls = 0  # backward passes through this layer in the current optimizer step
+        if self._fp4:  # [seed, optimizer step]: the noise and RHT state, checkpointed with the weights
+            state = torch.tensor([recipe.seed, 0], dtype=torch.int64, device=self.weight.device)
+            self.register_buffer("fp4_state", state)
 
     @classmethod
     def from_linear(
@@ -285,10 +324,10 @@ class Fp8Linear(nn.Module):
         margin = self.recipe.margin if self._delayed else 0
         q = quantize(
             t2, op.fmt, op.granularity, scale=scale, margin=margin, power_of_two=op.power_of_two,
-            validate_scale=False,
+            validate_scale=False, rounding_key=self._rounding_key(op, "grad_input"),
         )  # fmt: skip
         if observe and self._observer is not None:
-            self._observer(self.layer_name, role, t2.detach(), q.scale, op.fmt)
+            self._observer(self.layer_name, role, t2.detach(), q.effective_scale(), op.fmt)
         return q
 
     def _quantize_weight(
@@ -327,7 +366,7 @@ class Fp8Linear(nn.Module):
                 scale=scale_key,
             )
         if not transposed and self._observer is not None:
-            self._observer(self.layer_name, "weight", weight.detach(), q.scale, op.fmt)
+            self._observer(self.layer_name, "weight", weight.detach(), q.effective_scale(), op.fmt)
         return q
 
     def _record_only(self, role: str, t2: torch.Tensor, op: OperandLayout) -> None:
@@ -346,15 +385,41 @@ class Fp8Linear(nn.Module):
         elif self._delayed:
             scale = self._delayed_scale(op.role, t2, op)
         margin = self.recipe.margin if self._delayed else 0
+        if op.hadamard:  # mixes every 16 consecutive rows of t2: the K of the transposed operand
+            t2 = transform_rows(t2, self._rht_matrix(t2.device))
+        key = self._rounding_key(op, "grad_weight")
         if not transpose:
             g = op.granularity.transposed()
             return quantize(
-                t2, op.fmt, g, scale=scale, margin=margin, power_of_two=op.power_of_two, validate_scale=False
-            )
+                t2, op.fmt, g, scale=scale, margin=margin, power_of_two=op.power_of_two, validate_scale=False,
+                rounding_key=key,
+            )  # fmt: skip
         return quantize_transposed(
             t2, op.fmt, op.granularity, scale=scale, margin=margin, power_of_two=op.power_of_two,
-            validate_scale=False,
+            validate_scale=False, rounding_key=key,
         )  # fmt: skip
+
+    # -- FP4: stochastic rounding and the Hadamard transform ------------------------------------------
+
+    def _rounding_key(self, op: OperandLayout, gemm: str) -> int | None:
+        """The noise key of this operand's stochastic rounding now (None: round to nearest even):
+        (seed, step) from fp4_state, this process's data-parallel rank, and the tensor — the layer,
+        the GEMM and which backward of the step it is."""
+        if not op.stochastic:
+            return None
+        seed, step = (int(v) for v in self.fp4_state.tolist())
+        return rounding_key(
+            seed, step, data_parallel_rank(), self.layer_name or "", gemm, op.role, self._backward_calls
+        )
+
+    def _rht_matrix(self, device: torch.device) -> torch.Tensor:
+        """The 16x16 random Hadamard matrix of the seed in fp4_state (the same on every rank)."""
+        seed = int(self.fp4_state[0])
+        cached = getattr(self, "_rht_cache", None)
+        if cached is None or cached[0] != seed or cached[1].device != device:
+            cached = (seed, rht_matrix(seed).to(device))
+            self._rht_cache = cached
+        return cached[1]
 
     # -- delayed-scaling state ------------------------------------------------------------------------
 
@@ -365,6 +430,9 @@ class Fp8Linear(nn.Module):
         For every recipe it also ends the step's weight-cast cache: the optimizer has changed the weight."""
         self._weight_generation += 1
         cache_of(self).invalidate()  # frees the stale FP8 weights now (the key would miss anyway)
+        self._backward_calls = 0
+        if self._fp4:
+            self.fp4_state[1] += 1  # the next step's rounding noise
         if not self._delayed:
             return False
         r = self.recipe
@@ -405,4 +473,4 @@ class Fp8Linear(nn.Module):
         )
 
 
-__all__ = ["Fp8Linear"]
+__all__ = ["Fp8Linear", "data_parallel_rank", "rounding_key"]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.recipes import from_name
+from mixprec.recipes import QUANTIZED_KINDS, from_name
 from mixprec.training import scaling_state
 from mixprec.training.fp8_linear import Fp8Linear
 
@@ -110,6 +110,6 @@ class GroupedFp8Experts(nn.Module):
 
 def convert_experts(module: nn.Module, recipe: Any, name: str | None = None) -> GroupedFp8Experts:
     """The FP8 replacement of a fused-experts module; NotImplementedError/MixprecError if it cannot be."""
-    if from_name(recipe).kind != "fp8":
-        raise MixprecError(f"{name or type(module).__name__}: grouped experts need an FP8 recipe")
+    if from_name(recipe).kind not in QUANTIZED_KINDS:
+        raise MixprecError(f"{name or type(module).__name__}: grouped experts need an FP8 or FP4 recipe")
     return GroupedFp8Experts(module, recipe, name)

@@ -241,6 +241,48 @@ def _first_rule(policy: Policy, chain: list[tuple[str, nn.Module]]) -> tuple[Rul
     return None
 
 
+def block_stack(model: nn.Module) -> tuple[str, int] | None:
+    """(qualified name, length) of the model's stack of blocks: the longest nn.ModuleList whose
+    children are all of one class that holds a Linear (a transformer's layers), or None."""
+    best: tuple[str, int] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        children = list(module)
+        if len({type(c) for c in children}) != 1:
+            continue
+        if not any(isinstance(m, nn.Linear) for m in children[0].modules()):
+            continue
+        if best is None or len(children) > best[1]:
+            best = (name, len(children))
+    return best
+
+
+def keep_last_blocks(model: nn.Module, policy: Policy, n: int, why: str) -> Policy:
+    """`policy` plus one rule per block keeping the last n blocks of the model's stack in high precision
+    (after the policy's own rules: a rule of the user's still decides first). NVFP4 pretraining keeps
+    its final layers in bf16 (arXiv 2509.25149). MixprecError when the model has no block stack or
+    fewer than n blocks."""
+    stack = block_stack(model)
+    if stack is None:
+        raise MixprecError(
+            f"{why}: keep_last={n} needs a stack of blocks (an nn.ModuleList of like layers holding Linears); "
+            f"{type(model).__name__} has none"
+        )
+    name, length = stack
+    if n > length:
+        raise MixprecError(f"{why}: keep_last={n}, but {name or '(root)'} has only {length} blocks")
+    prefix = f"{name}." if name else ""
+    rules = tuple(
+        Rule("keep", name=f"{prefix}{i}", reason=f"{why}: one of the last {n} blocks, kept in bf16")
+        for i in range(length - n, length)
+    )
+    return Policy(
+        rules=(*policy.rules, *rules), keep_norms=policy.keep_norms, keep_embeddings=policy.keep_embeddings,
+        keep_head=policy.keep_head, keep_routers=policy.keep_routers, min_multiple=policy.min_multiple,
+    )  # fmt: skip
+
+
 def decide(model: nn.Module, policy: Policy) -> list[Decision]:
     """One Decision per module of `model`, in named_modules() order (the root is named "").
 

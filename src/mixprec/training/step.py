@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
+from mixprec.recipes import QUANTIZED_KINDS
 from mixprec.training import scaling_state
 from mixprec.training.convert import conversion_state, resolve_recipe
 from mixprec.training.optim import AdamW
@@ -30,8 +31,8 @@ def advance_scaling_state(model: nn.Module, *, reduce: AmaxReduction | Literal[F
     scaling_state.advance; None: the one mixprec.distributed's wrapping registered, if any).
     """
     st = conversion_state(model)
-    if st is not None and st.kind != "fp8":
-        return  # bf16 / amp / fp32: no scaling state
+    if st is not None and st.kind not in QUANTIZED_KINDS:
+        return  # bf16 / amp / fp32: no scaling state (FP4 layers advance their rounding-noise step)
     scaling_state.advance(model, reduce=reduce)
 
 

@@ -1,0 +1,477 @@
+"""`--scheme auto`: score every Linear for every scheme, choose one scheme per fused group under a
+budget, write one mixed-precision checkpoint.
+
+    result = auto_quantize_checkpoint("smol-hf", "smol-auto", budget="10", calib_data="calib.txt")
+    result.allocation.layers                       # {Linear: scheme}
+    report = mixprec.quantize_model_(model, "auto", budget="10", calib_data=batches)   # online
+
+The scores (sensitivity.scores) are written beside the checkpoint (auto_scores.json, schema
+docs/schemas/auto.md) with the fingerprint of what they were computed from (the model's files, the
+calibration tokens, the candidates, the method): given back with `scores=`, they are reused when the
+fingerprint matches, so a new budget costs a solve and a write, not a scoring run.
+
+Measured perplexity (the budget curve's measured points, `target_ppl_increase`) needs an evaluation
+of a written checkpoint; the evaluation workflow sits on a floor above this package, so the caller
+passes it in as `measure(checkpoint_dir) -> {"reference_perplexity", "candidate_perplexity", ...}`
+(`mixprec quantize` passes `mixprec evaluate`'s language-model task).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.conversion import ConversionReport
+from mixprec.errors import MixprecError
+from mixprec.files import write_json_atomic
+from mixprec.hf import config_dtype, load_model, load_tokenizer, read_config
+from mixprec.inference.calibration import load_texts, token_batches
+from mixprec.inference.offline import quantize_checkpoint
+from mixprec.inference.online import quantize_model_ as quantize_one_scheme
+from mixprec.inference.safetensors_io import open_checkpoint
+from mixprec.inference.schemes import InferenceScheme
+from mixprec.progress import ProgressBars
+from mixprec.select import REGEX_PREFIX
+from mixprec.sensitivity.allocation import Allocation, Budget, allocate, group_options, uniform
+from mixprec.sensitivity.scores import KEPT, Scores, candidate_schemes, score_model
+
+AUTO = "auto"
+SCORES_NAME = "auto_scores.json"
+Measure = Callable[[Path], Mapping[str, float]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fingerprints and the scores cache
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 of config.json and every safetensors file's bytes (a changed weight is a new model)."""
+    h = hashlib.sha256()
+    for p in [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def data_fingerprint(batches: Sequence[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(str(tuple(b.shape)).encode())
+        h.update(b.to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: str, data: str, candidates: Sequence[str], method: str, ignore: Sequence[str]) -> dict[str, str]:  # fmt: skip
+    return {"model": model, "data": data, "candidates": ",".join(candidates), "method": method,
+            "ignore": ",".join(ignore)}  # fmt: skip
+
+
+def read_scores(path: str | Path) -> Scores:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MixprecError(f"scores file {p} does not exist") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise MixprecError(f"{p}: not a JSON scores file ({e})") from None
+    return Scores.from_dict(doc, str(p))
+
+
+def write_scores(path: Path, scores: Scores) -> None:
+    write_json_atomic(path, scores.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The result
+
+
+@dataclass
+class AutoResult:
+    """What `--scheme auto` chose and why; `to_dict` is auto_report.json (docs/schemas/auto.md)."""
+
+    scores: Scores
+    budget: Budget | None
+    allocation: Allocation
+    dtype_bits: int
+    curve: list[dict[str, Any]]  # predicted (and measured, where run) points against bits per weight
+    uniform: dict[str, dict[str, Any]]  # each candidate alone, for comparison
+    scores_reused: bool = False
+    measured: dict[str, Any] | None = None  # the chosen checkpoint's perplexity
+    search: list[dict[str, Any]] = field(default_factory=list)  # target_ppl_increase's evaluations
+    target_ppl_increase: float | None = None
+    report: ConversionReport | None = None
+    output: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        alloc = self.allocation
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "output": self.output,
+            "method": self.scores.method,
+            "candidates": list(self.scores.candidates),
+            "budget": None if self.budget is None else {"bits": self.budget.bits, "bytes": self.budget.bytes},
+            "target_ppl_increase": self.target_ppl_increase,
+            "scores_reused": self.scores_reused,
+            "scoring": {
+                "batches": self.scores.batches,
+                "tokens": self.scores.tokens,
+                "seconds": round(self.scores.seconds, 3),
+                "fingerprint": self.scores.fingerprint,
+            },
+            "chosen": {
+                "bits_per_weight": alloc.bits_per_weight,
+                "bits": alloc.bits,
+                "weights": alloc.weights,
+                "predicted_score": alloc.predicted,
+                "schemes": _count(alloc.layers.values()),
+                "measured": self.measured,
+            },
+            "layers": {
+                n: {
+                    "group": g,
+                    "shape": list(self.scores.shapes[n]),
+                    "chosen": alloc.layers[n],
+                    "scores": self.scores.layers[n],
+                }
+                for g, members in self.scores.groups().items()
+                for n in members
+            },
+            "curve": self.curve,
+            "uniform": self.uniform,
+            "search": self.search,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
+
+
+REPORT_SCHEMA_VERSION = 1
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def budget_curve(scores: Scores, dtype_bits: int, points: int = 9) -> list[dict[str, Any]]:
+    """The predicted score of the exact choice at `points` budgets from the smallest possible
+    checkpoint to everything kept (bits per weight)."""
+    options = group_options(scores, dtype_bits)
+    weights = sum(o * i for o, i in scores.shapes.values())
+    lo = sum(min(o.cost for o in opts) for opts in options.values()) / weights
+    hi = sum(max(o.cost for o in opts) for opts in options.values()) / weights
+    out = []
+    for i in range(points):
+        bits = lo + (hi - lo) * i / max(1, points - 1)
+        plan = allocate(scores, Budget(bits=bits + 1e-9), dtype_bits=dtype_bits)
+        out.append({"budget_bits": bits, "bits_per_weight": plan.bits_per_weight, "predicted_score": plan.predicted,
+                    "schemes": _count(plan.layers.values())})  # fmt: skip
+    return out
+
+
+def _uniform_table(scores: Scores, dtype_bits: int) -> dict[str, dict[str, Any]]:
+    out = {}
+    for c in scores.candidates:
+        plan = uniform(scores, c, dtype_bits=dtype_bits)
+        out[c] = {"bits_per_weight": plan.bits_per_weight, "predicted_score": plan.predicted}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _dtype_bits(config: dict) -> int:
+    return torch.finfo(config_dtype(config)).bits
+
+
+def _parse_increase(value: str | float | None) -> float | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%?)", text)
+    if not m:
+        raise MixprecError(f"--target-ppl-increase {value!r}: give a relative increase such as 1% or 0.01")
+    x = float(m.group(1)) / (100 if m.group(2) else 1)
+    if not 0 < x < 10:
+        raise MixprecError(f"--target-ppl-increase {value!r} must be above 0")
+    return x
+
+
+def auto_quantize_checkpoint(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    budget: str | float | Budget | None = None,
+    target_ppl_increase: str | float | None = None,
+    calib_data: str | Path,
+    calib_samples: int = 32,
+    calib_seq_len: int = 256,
+    candidates: Sequence[str] | None = None,
+    score: str = "gradient",
+    scores: str | Path | None = None,
+    ignore: Sequence[str] | None = None,
+    default_ignore: bool = True,
+    measure: Measure | None = None,
+    search_steps: int = 5,
+    force: bool = False,
+    progress: bool = True,
+    **quantize_kw: Any,
+) -> AutoResult:
+    """Score, choose under `budget` (or the smallest checkpoint whose measured perplexity increase is
+    at most `target_ppl_increase`, by bisection over budgets, `search_steps` evaluations), and write
+    the mixed-precision checkpoint to `output_dir` with auto_scores.json beside it.
+
+    scores: a scores file of an earlier run, reused when its fingerprint matches this run's (model
+    files, calibration tokens, candidates, method, ignore list), else refused. measure: see the module
+    docstring; with it the chosen checkpoint's perplexity is measured. quantize_kw: passed on to
+    quantize_checkpoint (max_shard_size, observer, ...).
+    """
+    started = time.perf_counter()
+    if (budget is None) == (target_ppl_increase is None):
+        raise MixprecError("--scheme auto needs exactly one of --budget and --target-ppl-increase")
+    plan_budget = None if budget is None else (budget if isinstance(budget, Budget) else Budget.parse(budget))
+    target = _parse_increase(target_ppl_increase)
+    if target is not None and measure is None:
+        raise MixprecError("--target-ppl-increase needs evaluation data to measure perplexity (--eval-data)")
+    cands = candidate_schemes(candidates)
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    config = read_config(model_dir)
+    if output_dir.exists() and not force:
+        raise MixprecError(f"output directory {output_dir} exists (use --force to replace it)")
+    texts = load_texts(calib_data)
+    names = [KEPT, *(c.name for c in cands)]
+    dtype_bits = _dtype_bits(config)
+
+    tok = load_tokenizer(model_dir)
+    batches = token_batches(texts, tok, calib_samples, calib_seq_len)
+    from_file = read_scores(scores) if scores is not None else None
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fp = fingerprint(
+        model_fingerprint(model_dir), data_fingerprint(batches), names, score, list(ignore or ())
+    )
+    timings["fingerprint"] = time.perf_counter() - t0
+    if from_file is not None:
+        if from_file.fingerprint != fp:
+            differ = [k for k in fp if from_file.fingerprint.get(k) != fp[k]]
+            raise MixprecError(
+                f"scores file {scores} was computed from a different {', '.join(differ)}: "
+                "drop --scores to compute them anew"
+            )
+        result_scores, reused = from_file, True
+    else:
+        t0 = time.perf_counter()
+        model = load_model(model_dir, dtype=torch.float32).eval()  # fp32: the CPU has no fast bf16
+        with ProgressBars(progress) as bars:
+            result_scores = score_model(
+                model, batches, cands, method=score, ignore=ignore, default_ignore=default_ignore,
+                weight_dtype=config_dtype(config),
+                progress=lambda label, total: bars.add(label, total).advance,
+            )  # fmt: skip
+        del model
+        result_scores.fingerprint = fp
+        reused = False
+        timings["scoring"] = time.perf_counter() - t0
+
+    ckpt = open_checkpoint(model_dir)
+    fixed_bits = ckpt.total_bytes * 8 - sum(dtype_bits * o * i for o, i in result_scores.shapes.values())
+    write_kw = dict(calib_data=calib_data, calib_samples=max(calib_samples, 1), calib_seq_len=calib_seq_len,
+                    ignore=ignore, default_ignore=default_ignore, progress=progress, **quantize_kw)  # fmt: skip
+
+    def write(plan: Allocation, out: Path, replace: bool) -> ConversionReport:
+        schemes = plan.schemes()
+        if not schemes:
+            raise MixprecError(f"the budget keeps every Linear in high precision ({plan.bits_per_weight:.2f} bits "
+                               "per weight): there is nothing to quantize; lower it")  # fmt: skip
+        needs_calib = any(InferenceScheme.from_name(s).needs_calibration for s in schemes.values())
+        kw = write_kw if needs_calib else {k: v for k, v in write_kw.items() if not k.startswith("calib")}
+        return quantize_checkpoint(model_dir, out, schemes, force=replace, **kw)
+
+    search: list[dict[str, Any]] = []
+    measured = None
+    t0 = time.perf_counter()
+    if plan_budget is not None:
+        plan = allocate(result_scores, plan_budget, dtype_bits=dtype_bits, fixed_bits=fixed_bits)
+    else:
+        plan, measured, search = _search(result_scores, dtype_bits, target, measure, write, output_dir,  # type: ignore[arg-type]
+                                         search_steps)  # fmt: skip
+    timings["solve_and_search"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report = write(plan, output_dir, force)
+    timings["write"] = time.perf_counter() - t0
+    if measure is not None and measured is None:
+        t0 = time.perf_counter()
+        measured = dict(measure(output_dir))
+        timings["measure"] = time.perf_counter() - t0
+    write_scores(output_dir / SCORES_NAME, result_scores)
+    timings["total"] = time.perf_counter() - started
+    result = AutoResult(
+        scores=result_scores, budget=plan_budget, allocation=plan, dtype_bits=dtype_bits,
+        curve=budget_curve(result_scores, dtype_bits), uniform=_uniform_table(result_scores, dtype_bits),
+        scores_reused=reused, measured=measured, search=search, target_ppl_increase=target, report=report,
+        output=str(output_dir), seconds=timings,
+    )  # fmt: skip
+    for point in search:  # the search's evaluations are measured points of the curve
+        result.curve.append({"budget_bits": point["budget_bits"], "bits_per_weight": point["bits_per_weight"],
+                             "predicted_score": point["predicted_score"], "measured": point["measured"]})  # fmt: skip
+    if measured is not None:
+        result.curve.append({"budget_bits": None, "bits_per_weight": plan.bits_per_weight,
+                             "predicted_score": plan.predicted, "measured": measured, "chosen": True})  # fmt: skip
+    return result
+
+
+def _search(
+    scores: Scores,
+    dtype_bits: int,
+    target: float,
+    measure: Measure,
+    write: Callable[[Allocation, Path, bool], ConversionReport],
+    output_dir: Path,
+    steps: int,
+) -> tuple[Allocation, dict[str, Any], list[dict[str, Any]]]:
+    """Bisection over the budget (bits per weight) for the smallest checkpoint whose measured
+    perplexity increase is at most `target`: everything kept meets it, the smallest checkpoint is
+    tried first. Assumes the measured increase falls as the budget grows (the predicted score does);
+    every evaluation is recorded."""
+    options = group_options(scores, dtype_bits)
+    weights = sum(o * i for o, i in scores.shapes.values())
+    lo = sum(min(o.cost for o in opts) for opts in options.values()) / weights
+    hi = sum(max(o.cost for o in opts) for opts in options.values()) / weights
+    search: list[dict[str, Any]] = []
+    best: tuple[Allocation, dict[str, Any]] | None = None
+    work = Path(tempfile.mkdtemp(prefix=".auto-search-", dir=output_dir.parent))
+    try:
+        bits, low_fails = lo, None
+        for step in range(max(1, steps)):
+            plan = allocate(scores, Budget(bits=bits + 1e-9), dtype_bits=dtype_bits)
+            out = work / f"step{step}"
+            write(plan, out, False)
+            m = dict(measure(out))
+            shutil.rmtree(out, ignore_errors=True)
+            increase = m["candidate_perplexity"] / m["reference_perplexity"] - 1
+            ok = increase <= target
+            search.append({"step": step, "budget_bits": bits, "bits_per_weight": plan.bits_per_weight,
+                           "predicted_score": plan.predicted, "measured": m, "meets_target": ok})  # fmt: skip
+            if ok:
+                if best is None or plan.bits < best[0].bits:
+                    best = (plan, m)
+                hi = bits
+            else:
+                low_fails = bits
+            if ok and step == 0:
+                break  # the smallest checkpoint meets it
+            bits = (hi + (low_fails if low_fails is not None else lo)) / 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if best is None:
+        tried = ", ".join(f"{p['bits_per_weight']:.2f} bits: {p['measured']['candidate_perplexity'] / p['measured']['reference_perplexity'] - 1:+.2%}" for p in search)  # fmt: skip
+        raise MixprecError(
+            f"no checkpoint of the {len(search)} measured met --target-ppl-increase {target:.2%} ({tried}); "
+            "allow more --search-steps or a larger increase"
+        )
+    return best[0], best[1], search
+
+
+# ---------------------------------------------------------------------------------------------------
+# Online: mixprec.quantize_model_(model, "auto", ...)
+
+
+def _exact(name: str) -> str:
+    return f"{REGEX_PREFIX}{re.escape(name)}$"
+
+
+def quantize_model_(
+    model: nn.Module,
+    scheme: str | InferenceScheme = "fp8-dynamic",
+    ignore: Sequence[str] | None = None,
+    calib_data: Any = None,
+    *,
+    budget: str | float | Budget | None = None,
+    candidates: Sequence[str] | None = None,
+    score: str = "gradient",
+    scores: Scores | None = None,
+    **kwargs: Any,
+) -> ConversionReport:
+    """mixprec.quantize_model_: `scheme="auto"` scores the model's Linears on `calib_data` (token-id
+    batches of a causal LM), chooses one scheme per fused group under `budget` and quantizes each in
+    place; any other scheme is mixprec.inference.quantize_model_ unchanged. The automatic choice is
+    `report.auto` (an AutoResult without a checkpoint)."""
+    if not (isinstance(scheme, str) and scheme.strip().lower() == AUTO):
+        if budget is not None:
+            raise MixprecError("budget= is for scheme='auto'")
+        return quantize_one_scheme(model, scheme, ignore, calib_data, **kwargs)
+    if budget is None:
+        raise MixprecError(
+            "scheme='auto' needs budget= (average bits per weight such as 6.0, or bytes such as '1.2GB')"
+        )
+    if scores is None:
+        if calib_data is None:
+            raise MixprecError("scheme='auto' needs calib_data= (batches of token ids) to score the layers")
+        batches = [calib_data] if isinstance(calib_data, torch.Tensor) else list(calib_data)
+        scores = score_model(model, batches, candidate_schemes(candidates), method=score, ignore=ignore)
+    else:
+        batches = None
+    param = next((p for p in model.parameters()), None)
+    dtype_bits = torch.finfo(param.dtype).bits if param is not None else 32
+    total_bits = sum(
+        t.numel() * t.element_size() * 8 for t in {p.data_ptr(): p for p in model.parameters()}.values()
+    )
+    fixed = total_bits - sum(dtype_bits * o * i for o, i in scores.shapes.values())
+    plan = allocate(scores, budget, dtype_bits=dtype_bits, fixed_bits=fixed)
+    by_scheme: dict[str, list[str]] = {}
+    for name, s in plan.schemes().items():
+        by_scheme.setdefault(s, []).append(name)
+    reports = []
+    for s, names in by_scheme.items():
+        others = [_exact(n) for n in scores.shapes if n not in names]
+        reports.append(quantize_one_scheme(model, s, [*(ignore or ()), *others], batches, **kwargs))
+    if not reports:  # everything kept
+        reports.append(
+            quantize_one_scheme(model, "fp8-dynamic", [*(ignore or ()), *map(_exact, scores.shapes)])
+        )
+    combined = ConversionReport(recipe=AUTO, kind="fp8", device=reports[0].device, param_dtype=reports[0].param_dtype,
+                                scheme="mixed-precision")  # fmt: skip
+    for r in reports:
+        combined.entries += [e for e in r.entries if not e.precision.startswith("skipped")]
+        combined.layers.update(r.layers)
+        combined.warnings += r.warnings
+        combined.notes += r.notes
+        combined.calibration = combined.calibration or r.calibration
+    combined.entries += [e for e in reports[-1].entries if e.precision.startswith("skipped")]
+    combined.weight_bytes_before = reports[0].weight_bytes_before
+    combined.weight_bytes_after = reports[-1].weight_bytes_after
+    combined.auto = AutoResult(  # type: ignore[attr-defined]
+        scores=scores, budget=budget if isinstance(budget, Budget) else Budget.parse(budget), allocation=plan,
+        dtype_bits=dtype_bits, curve=budget_curve(scores, dtype_bits), uniform=_uniform_table(scores, dtype_bits),
+    )  # fmt: skip
+    model.mixprec_report = combined
+    return combined
+
+
+__all__ = [
+    "AUTO",
+    "REPORT_SCHEMA_VERSION",
+    "SCORES_NAME",
+    "AutoResult",
+    "auto_quantize_checkpoint",
+    "budget_curve",
+    "data_fingerprint",
+    "model_fingerprint",
+    "quantize_model_",
+    "read_scores",
+]
