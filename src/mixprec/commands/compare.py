@@ -76,10 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
-    )
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     parser.add_argument(
         "--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: %(default)s)"
     )

@@ -14,14 +14,22 @@ from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN
 
 DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
 # The default comparison: these 4 recipes, each re-run 3 times from rounding-level perturbed weights
-# (16 runs of the built-in 4-layer Llama), 200 steps at lr 1e-3. Chosen from the measured scatter of
-# equally good runs, not from verdicts (docs/compare.md, "Band widths, measured"): runs scatter more the
-# longer and the hotter the run (bf16: 0.34 % after 500 steps at lr 2e-3, the former default; 0.07 % after
-# 120 steps at lr 3e-3 and 0.018 % at lr 1e-3 on the demo's smaller model), and FP8 runs scatter
-# differently from bf16 runs, so every recipe measures its own. Measured at these settings: bf16 runs
-# still scatter by 0.11 %, and no verdict is settled (docs/compare.md, "The default run").
-DEFAULT_STEPS = 200
+# (16 runs), the built-in Llama at 2 layers (DEFAULT_MODEL_CONFIG), 120 steps of 8 x 64 tokens at
+# lr 1e-3: the demo's size, chosen from the measured scatter of equally good runs, not from verdicts
+# (docs/compare.md, "Band widths, measured" and "The default run"). Runs scatter more the longer, the
+# hotter and the larger the run: bf16 runs scattered by 0.34 % after 500 steps of the 4-layer model with
+# 16 x 128-token batches at lr 2e-3 (the former default), 0.11 % after 200 steps of it at lr 1e-3, and
+# 0.018 % at this size — where every verdict is settled in under 3 minutes on 2 cores. FP8 runs scatter
+# differently from bf16 runs, so every recipe measures its own.
+DEFAULT_STEPS = 120
 DEFAULT_LR = 1e-3
+DEFAULT_MODEL_CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
 # Margins of the loss gap (mixprec.verdicts): the guide's 0.1 % (16-bit vs fp32); DeepSeek-V3's 0.25 %
 # (FP8 vs BF16). Precision statistics: the largest share of a tensor that may saturate / underflow (peak
 # over the run) before it counts as evidence of a precision problem where the loss gap alone cannot tell
@@ -50,8 +58,8 @@ class CompareConfig:
     steps: int = DEFAULT_STEPS
     eval_every: int | None = None  # None: steps // 20 (at least 1)
     eval_last: int = 3  # final validation loss = mean of the last `eval_last` evaluations
-    batch_size: int = 16
-    seq_len: int = 128
+    batch_size: int = 8
+    seq_len: int = 64
     lr: float = DEFAULT_LR
     warmup_steps: int | None = None  # None: 5 % of steps
     weight_decay: float = 0.0
@@ -75,7 +83,8 @@ class CompareConfig:
     monitor_every: int | None = None  # None: min(100, steps // 20)
     checkpoint_every: int | None = None  # None: every evaluation
     model_dir: str | None = None
-    model_config: dict | None = None  # built-in model dims (ReferenceModelConfig fields)
+    # built-in model dims (ReferenceModelConfig fields); None: ReferenceModelConfig's own (4 layers)
+    model_config: dict | None = field(default_factory=lambda: dict(DEFAULT_MODEL_CONFIG))
     data: str | None = None
     tokenizer: str | None = None
     vocab_size: int = 1024
