@@ -218,9 +218,8 @@ def replicate_interval(
         raise ValueError(f"a replicate interval needs at least 2 reference runs, got {n}")
     if not all(math.isfinite(r) for r in refs) or not math.isfinite(candidate):
         raise ValueError("replicate_interval: every figure must be finite")
-    centre = sum(refs) / n
-    spread = math.sqrt(sum((r - centre) ** 2 for r in refs) / (n - 1))
-    half = student_t_quantile(1 - (1 - level) / 2, n - 1) * spread * math.sqrt(1 + 1 / n)
+    centre, variance, _ = _moments(refs)
+    half = student_t_quantile(1 - (1 - level) / 2, n - 1) * math.sqrt(variance * (1 + 1 / n))
     estimate = candidate - centre
     return Interval(estimate, estimate - half, estimate + half, level=level, samples=n,
                     method=method or f"difference to the mean of {n} reference runs ± t·s·sqrt(1 + 1/{n})")  # fmt: skip

@@ -19,7 +19,8 @@ DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
 # (docs/compare.md, "Band widths, measured" and "The default run"). Runs scatter more the longer, the
 # hotter and the larger the run: bf16 runs scattered by 0.34 % after 500 steps of the 4-layer model with
 # 16 x 128-token batches at lr 2e-3 (the former default), 0.11 % after 200 steps of it at lr 1e-3, and
-# 0.018 % at this size — where every verdict is settled in under 3 minutes on 2 cores. FP8 runs scatter
+# 0.018 % at this size, where every verdict of the default run settled (573 s wall on the 2-core
+# machine, shared with a test run for its first minutes). FP8 runs scatter
 # differently from bf16 runs, so every recipe measures its own.
 DEFAULT_STEPS = 120
 DEFAULT_LR = 1e-3
