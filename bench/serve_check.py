@@ -36,6 +36,16 @@ VARIANTS = (
     ("fp8-block", "compressed-tensors", ()),
     ("fp8-block", "hf-fp8", ()),
     ("fp8-dynamic", "compressed-tensors", ("--calib", "--kv-cache", "fp8")),
+    # the FP4 / MX schemes (vLLM's CPU build has no kernel for them: the engine's reason is recorded and
+    # compressed-tensors' loader checks the checkpoint instead)
+    ("nvfp4a16", "compressed-tensors", ()),
+    ("nvfp4", "compressed-tensors", ("--calib",)),
+    ("mxfp4a16", "compressed-tensors", ()),
+    ("mxfp4", "compressed-tensors", ()),
+    ("mxfp8", "compressed-tensors", ()),
+    # a mixed-precision checkpoint of what this engine runs on a CPU without AMX: bf16 and fp8-dynamic
+    # (`--scheme auto` at 12 bits per weight: about half the Linears in each)
+    ("auto", "compressed-tensors", ("--calib", "--budget", "12", "--candidates", "fp8-dynamic")),
 )
 N_PROMPTS = 8
 PROMPT_TOKENS = 32
@@ -121,6 +131,13 @@ def prepare(args: argparse.Namespace) -> None:
                          dir=str(out), prompts=prompts, kv_cache=kv)  # fmt: skip
             if error is not None:
                 entry["quantize_error"] = error
+            elif scheme == "auto":  # --json prints the auto report: the chosen scheme of every Linear
+                report = json.loads(stdout)
+                entry["quantize_s"] = round(report["quantize_s"], 1)
+                entry["kept"] = {}
+                chosen = report["chosen"]
+                entry["scheme"] = "auto: " + ", ".join(f"{s} {n}" for s, n in chosen["schemes"].items())
+                entry["scheme"] += f" ({chosen['bits_per_weight']:.2f} bits/weight)"
             else:
                 report = json.loads(stdout)
                 entry["quantize_s"] = round(report["quantize_s"], 1)
@@ -354,7 +371,9 @@ def compare(args: argparse.Namespace) -> None:
         # compressed-tensors' loader (through transformers) dequantizes the weights: the same model with
         # unquantized activations
         kw = {}
-        if entry["layout"].startswith("compressed-tensors"):
+        # transformers 5.24's dequantizing loader gives every Linear the first config group's scheme, so a
+        # mixed-precision checkpoint is read as stored (each Linear in its group's scheme; docs/auto.md)
+        if entry["layout"].startswith("compressed-tensors") and not entry["scheme"].startswith("auto"):
             kw["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
         if vres.get("ok"):
             seqs = vres["sequences"]
@@ -371,12 +390,15 @@ def compare(args: argparse.Namespace) -> None:
                 row["amplification"] = amp
                 row["floor_quantized"] = {k: v * amp if k != "tokens" else v for k, v in row["floor"].items()}
                 row["within_floor"] = row["vs_mixprec"]["mean_abs"] <= row["floor_quantized"]["mean_abs"]
-            hf = _in_dtype(
-                transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval(), dtype
-            )
-            theirs = _scored(hf, seqs)
-            row["vs_weights_only"] = _difference(vres["logprobs"], theirs)
-            row["mixprec_vs_weights_only"] = _difference(ours, theirs)
+            try:
+                hf = _in_dtype(
+                    transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval(), dtype
+                )
+                theirs = _scored(hf, seqs)
+                row["vs_weights_only"] = _difference(vres["logprobs"], theirs)
+                row["mixprec_vs_weights_only"] = _difference(ours, theirs)
+            except Exception as e:  # recorded, not hidden
+                row["transformers_error"] = f"{type(e).__name__}: {e}"[:300]
         elif (entry["id"] in previous and not previous[entry["id"]].get("served")
               and previous[entry["id"]].get("fallback")):  # fmt: skip
             row.update(reason=vres.get("reason"), fallback=previous[entry["id"]]["fallback"])
@@ -452,7 +474,8 @@ def markdown(doc: dict) -> str:
         lines.append(
             f"| {r['model']} | {r['scheme']} | {r['layout']} | {served} | {_fmt(r.get('vs_mixprec'))} | "
             f"{_fmt(r.get('floor'))} | {amp} | {_fmt(r.get('floor_quantized'))} | {within} | "
-            f"{_fmt(r.get('vs_weights_only'))} | {nll} | {r.get('load_s') or '-'} | {kept_s} |"
+            f"{_fmt(r.get('vs_weights_only')) if 'transformers_error' not in r else 'transformers failed: `' + r['transformers_error'][:100] + '`'} | "
+            f"{nll} | {r.get('load_s') or '-'} | {kept_s} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -232,3 +232,33 @@ def test_a_hand_assignment_with_fp4_is_one_mixed_precision_checkpoint(llama_dir,
     with pytest.raises(MixprecError, match=r"splits fused group model\.layers\.0\.self_attn\.qkv_proj"):
         mixprec.quantize_checkpoint(llama_dir, tmp_path / "split", split, progress=False)
     assert not (tmp_path / "split").exists()
+
+
+def test_save_quantized_writes_a_mixed_model_as_quantize_checkpoint_does(llama_dir, tmp_path):
+    """A model whose Linears are in several schemes (loaded from a mixed checkpoint, or made by
+    quantize_model_(model, "auto")) saves as the same compressed-tensors checkpoint, bit for bit."""
+    from safetensors.torch import load_file
+
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    attn = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assignment = {**dict.fromkeys(attn, "nvfp4a16"), "model.layers.1.mlp.down_proj": "fp8-dynamic"}
+    first = tmp_path / "mixed"
+    mixprec.quantize_checkpoint(llama_dir, first, assignment, progress=False)
+    model = mixprec.load_quantized(first)
+    mixprec.save_quantized(model, tmp_path / "again")
+    qc = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert ct.QuantizationConfig.model_validate(qc).format == "mixed-precision"
+    assert qc == json.loads((first / "config.json").read_text())["quantization_config"]
+    written, original = load_file(tmp_path / "again" / "model.safetensors"), load_file(first / "model.safetensors")
+    assert written.keys() == original.keys()
+    for k, t in original.items():
+        assert written[k].dtype == t.dtype and torch.equal(written[k].view(torch.uint8), t.view(torch.uint8)), k
+    doc = json.loads((tmp_path / "again" / "model.fp8_scales.json").read_text())
+    assert doc["scheme"] == "mixed-precision" and list(doc["layers"]) == ["model.layers.1.mlp.down_proj"]
+    back = mixprec.load_quantized(tmp_path / "again")
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    with pytest.raises(MixprecError, match="compressed-tensors layout only"):
+        mixprec.save_quantized(model, tmp_path / "hf", format="hf-fp8")
+    assert not (tmp_path / "hf").exists()

@@ -121,3 +121,19 @@ def test_compare_policy_auto_gives_each_fp8_run_its_policy_and_reports_it(monkey
     assert entry["precision"] == "bf16" and "automatic policy" in entry["reason"]
     with pytest.raises(MixprecError, match="policy"):
         CompareConfig(policy="smart").validate()
+
+
+def test_fp4_recipes_are_held_to_fp4_limits():
+    """E2M1 zeroes values below 1/24 of a block's maximum and quantizes Gaussian values at 19-20 dB by
+    design: held to the FP8 limits, every FP4 layer would be kept; held to FP4's own, only the layer
+    whose weight underflows almost wholly is."""
+    limits = Limits()
+    fp4 = limits.for_kind("fp4")
+    assert (fp4.underflow, fp4.min_snr_db, fp4.saturation) == (0.5, 13.0, limits.saturation)
+    assert limits.for_kind("fp8") is limits
+    fp4_profile = profile_model(needy_model(), batches(1), recipes=["fp4-nvfp4"])
+    auto = automatic_policy(fp4_profile, "fp4-nvfp4")
+    assert [k.name for k in auto.kept] == [NEEDY]
+    assert any(r.startswith("weight underflows") for r in auto.kept[0].reasons)
+    strict = automatic_policy(fp4_profile, "fp4-nvfp4", Limits(fp4_underflow=0.05, fp4_min_snr_db=20.0))
+    assert len(strict.kept) > 1  # the FP8 limits would keep healthy FP4 layers too

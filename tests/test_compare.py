@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixprec.cli import main
 from mixprec.comparison.config import CompareConfig
@@ -69,8 +70,8 @@ def test_writes_every_artefact_and_nothing_else(tiny):
     assert html.count("data:image/png;base64,") >= 4  # loss curves, gaps, heat maps
     assert "Verdict" in html and "fp8-unscaled" in html and "Null check of fp32" in html
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["schema_version"] == 4 and doc["verdict_loss"] == "train"
-    assert all(r["schema_version"] == 1 for r in _records(out))
+    assert doc["schema_version"] == 5 and doc["verdict_loss"] == "train"
+    assert all(r["schema_version"] == 2 for r in _records(out))
     kinds = {r["kind"] for r in _records(out)}
     assert {"step", "eval", "precision"} <= kinds
     runs = {r["run"] for r in _records(out)}
@@ -273,10 +274,10 @@ CENTRE = statistics.mean((0.0, *NULLS))
 HALF = T3_975 * statistics.stdev((0.0, *NULLS)) * math.sqrt(1 + 1 / 4)  # 0.110 %
 
 
-def _judged(gap, *extra, nulls=NULLS, early=None, **settings):
-    """Summary of bf16 (baseline) + its null runs + fp8-current at `gap`; `early`: the null offsets over
+def _judged(gap, *extra, nulls=NULLS, early=None, recipe="fp8-current", **settings):
+    """Summary of bf16 (baseline) + its null runs + `recipe` at `gap`; `early`: the null offsets over
     the first half of the run (default: the same as the window's)."""
-    cfg = CompareConfig(recipes=("bf16", "fp8-current"), baseline="bf16", steps=20, eval_last=2, **settings)
+    cfg = CompareConfig(recipes=("bf16", recipe), baseline="bf16", steps=20, eval_last=2, **settings)
     early = nulls if early is None else early
 
     def curve(late_offset, early_offset):
@@ -285,7 +286,7 @@ def _judged(gap, *extra, nulls=NULLS, early=None, **settings):
     rows = _synthetic("bf16", curve(0, 0), [2.0, 2.0])
     for k, (late, first) in enumerate(zip(nulls, early), start=1):
         rows += _synthetic(f"bf16~null{k}", curve(late, first), [2.0 * (1 + late)] * 2)
-    rows += _synthetic("fp8-current", curve(gap, gap), [2.0 * (1 + gap)] * 2)
+    rows += _synthetic(recipe, curve(gap, gap), [2.0 * (1 + gap)] * 2)
     return summarize(rows + list(extra), cfg)
 
 
@@ -407,6 +408,21 @@ def test_nan_and_statistics_beyond_their_limits_make_a_recipe_worse_whatever_its
         CompareConfig(recipes=("bf16", "fp8-current"), thresholds={"saturation": -1}).validate()
 
 
+def test_fp4_recipes_have_their_own_margin_and_underflow_limit():
+    """FP4 against bf16: a 1 % margin (NVIDIA's NVFP4 pretraining) and a 50 % underflow limit (E2M1
+    zeroes values below 1/24 of their block's maximum by design); saturation's limit is everyone's."""
+    fp4 = "fp4-nvfp4"
+    half = _judged(0.005, _precision_row(fp4, "input", 0.0, 0.29), recipe=fp4).recipes[fp4]
+    assert half.margin == 0.01 and half.verdict == "equivalent", half.reasons
+    assert _judged(0.005, recipe="fp8-current").recipes["fp8-current"].verdict == "worse"  # 0.25 %
+    lost = _judged(0.0, _precision_row(fp4, "grad_output", 0.0, 0.6), recipe=fp4).recipes[fp4]
+    assert lost.verdict == "worse" and "underflow up to 60.0% of grad_output (l, step 5)" in lost.reasons
+    clipped = _judged(0.0, _precision_row(fp4, "input", 0.02, 0.0), recipe=fp4).recipes[fp4]
+    assert clipped.verdict == "worse"
+    stricter = _judged(0.0, _precision_row(fp4, "input", 0.0, 0.29), recipe=fp4, thresholds={"underflow_fp4": 0.2})
+    assert stricter.recipes[fp4].verdict == "worse"
+
+
 def test_without_null_runs_the_interval_is_the_bootstrap_alone_and_the_check_is_absent():
     s = _judged(0.001, nulls=())
     r = s.recipes["fp8-current"]
@@ -452,3 +468,24 @@ def test_resume_refuses_checkpoints_of_the_other_kind(tmp_path):
     (tmp_path / "bf16.pt").write_bytes(b"")
     with pytest.raises(MixprecError, match=r"single-process checkpoints .*bf16\.pt.*without torchrun"):
         _check_checkpoint_kind(tmp_path, world=2)
+
+
+def test_export_writes_the_trained_model_and_the_heldout_text(tmp_path, capsys):
+    """`--export bf16`: the trained model as a Hugging Face directory (with its tokenizer) that the
+    inference workflows read, and the validation documents; an unknown recipe is refused first."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    settings = json.dumps({k: v for k, v in TINY.items() if k not in ("batch_size", "seq_len", "lr")})
+    base = ["compare", "--recipes", "bf16", "--baseline", "bf16", "--steps", "2", "--batch-size", "4",
+            "--seq-len", "32", "--no-noise", "--no-progress", "--settings", settings, "--out", str(out)]  # fmt: skip
+    assert main([*base, "--export", "fp8-current"]) == 2
+    assert "--export fp8-current: not a recipe of this comparison" in capsys.readouterr().err
+    assert not out.exists()
+    assert main([*base, "--export", "bf16"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "model-bf16")
+    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == TINY_MODEL["num_hidden_layers"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model-bf16")
+    docs = [json.loads(line)["text"] for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert docs and all(docs)
+    ids = tokenizer(docs[0][:200], return_tensors="pt").input_ids
+    assert torch.isfinite(model(ids).logits).all()

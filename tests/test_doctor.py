@@ -123,7 +123,8 @@ def test_this_machine(capsys):
 
 def _operands(kind: str, device: str):
     ga, gb = doctor.GEMM_KINDS[kind]
-    return doctor.sample_operand(ga, device), doctor.sample_operand(gb, device)
+    fmt = "e2m1" if kind in doctor.FP4_KINDS else "e4m3"
+    return doctor.sample_operand(ga, device, fmt), doctor.sample_operand(gb, device, fmt)
 
 
 @pytest.mark.parametrize(
@@ -147,14 +148,21 @@ def test_on_fake_gpus_doctor_shows_what_the_gemm_seam_runs(monkeypatch, gpu, rec
         kernels = native.native_kernel_report("cuda:0")
     shown = report["kernels"]["gemm"]
     assert {kind: entry["native"] for kind, entry in shown.items()} == seam
-    assert {kind: entry["native"] for kind, entry in kernels["gemm"].items()} == seam  # the backends agree
+    # the FP8 backends agree (they offer no FP4 kernel: the seam emulates FP4, fp4_native_reason)
+    assert {kind: entry["native"] for kind, entry in kernels["gemm"].items()} == {
+        kind: seam[kind] for kind in kernels["gemm"]
+    }
     assert seam == {
         "tensorwise": True,
         "rowwise": True,
         "blockwise_1x128_128x128": True,
         "blockwise_1x128_1x128": True,
         "mxfp8": False,
+        "nvfp4": False,
+        "mxfp4": False,
     }
+    assert set(kernels["gemm"]) == set(seam) - set(doctor.FP4_KINDS)
+    assert shown["nvfp4"]["note"] == gemm.fp4_native_reason(torch.device("cuda:0"))
     assert shown["tensorwise"]["backend"] == shown["rowwise"]["backend"] == "torch._scaled_mm"
     assert shown["blockwise_1x128_128x128"]["backend"] == "F.scaled_mm"
     assert shown["mxfp8"]["backend"] == "emulated" and "not wired up" in shown["mxfp8"]["note"]

@@ -101,7 +101,7 @@ def test_saturation_of_a_planted_outlier_names_layer_role_and_step(tmp_path):
     above_max = sum(c for i, c in enumerate(hot[0]["hist"]) if i >= 1 and lo + (i - 1) >= math.log2(E4M3.max))
     assert above_max == 3
     lines = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
-    assert all(line["schema_version"] == 1 for line in lines)
+    assert all(line["schema_version"] == 2 for line in lines)
     assert len(lines) == len(monitor.records)
     peaks = monitor.summary()
     assert peaks["input"]["max_saturation_at"] == [4, "blocks.1"]

@@ -137,3 +137,30 @@ def test_granularity_checks_name_the_problem():
         Granularity(1, 32, "e5m2")
     with pytest.raises(MixprecError, match="mx_rounding"):
         Granularity.mx(32, rounding="nearest")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "granularity", "want"),
+    [
+        (E2M1, Granularity.nvfp4(), 16 / 15 * (1 + 2**-7)),
+        (E2M1, Granularity.mx(32), 8 / 6),
+        (E2M1, Granularity.mx(32, rounding="even"), 7 / 6),
+        (E2M1, Granularity.mx(32, rounding="rceil"), 1.0),
+        (E4M3, Granularity.mx(32), 512 / 448),
+        (E4M3, Granularity.rows(), 1.0),
+    ],
+)
+def test_clip_headroom_bounds_what_the_scale_rule_clips_and_is_reached(fmt, granularity, want):
+    """Quantizing blocks whose maxima sweep many binades: the largest |x / scale| the scale rule leaves
+    is within fmt.max * clip_headroom, and comes close to it (the bound is the rule's, not slack)."""
+    assert granularity.clip_headroom(fmt) == pytest.approx(want, rel=1e-12)
+    g = torch.Generator().manual_seed(0)
+    rows = 4096
+    # one block per row (K = 32): the first element of each row is its block maximum, spread over
+    # 2^-6 .. 2^6 with every mantissa; the others below it
+    top = torch.exp2(torch.rand(rows, 1, generator=g) * 12 - 6)
+    x = torch.cat([top, top * torch.rand(rows, 31, generator=g) * 0.99], dim=1)
+    q = quantize(x, fmt, granularity)
+    ratio = float((x.abs() / expand_scale(q.effective_scale(), q.granularity, *x.shape)).max()) / fmt.max
+    assert ratio <= granularity.clip_headroom(fmt) * (1 + 2**-22)  # fp32 scales: x / (amax / max) rounds
+    assert ratio >= (granularity.clip_headroom(fmt) - 1) * 0.7 + 0.999

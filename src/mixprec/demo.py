@@ -3,7 +3,7 @@
 1. training_step: a short comparison (bf16, fp8-delayed and fp8-current, each with three rounding-level
    null runs of itself; the negative control fp8-unscaled) of the built-in small
    Llama on the Python standard library sources (`mixprec.compare`), keeping the bf16-trained model.
-2. inference_step: that model exported (mixprec.training.export_for_inference), quantized to FP8
+2. inference_step: that model exported (mixprec.comparison.export), quantized to FP8
    (mixprec.inference.quantize_checkpoint, scheme fp8-dynamic) and evaluated against its bf16 self on
    held-out text (mixprec.evaluation.runner.evaluate, task "lm"); the figures join the report.
 
@@ -21,17 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.comparison.config import CompareConfig
+from mixprec.comparison.export import export_trained, write_heldout
 from mixprec.comparison.page import compare_sections
 from mixprec.comparison.runner import compare
-from mixprec.data import load_corpus, save_tokenizer, split_documents
-from mixprec.errors import MixprecError
 from mixprec.evaluation import Gates
 from mixprec.evaluation.runner import evaluate, write_report
 from mixprec.files import write_text_atomic
 from mixprec.inference import quantize_checkpoint
 from mixprec.kernels.hardware import detect
 from mixprec.pages import Section, paragraph, table_html, write_html_report
-from mixprec.training import export_for_inference
 from mixprec.verdicts import WORSE
 
 # bf16 is the baseline of every FP8 recipe (DeepSeek-V3's 0.25 % margin is relative to BF16); fp8-delayed
@@ -101,32 +99,15 @@ def training_step(out: Path, config: CompareConfig, *, force: bool, progress: bo
     return compare(config=config, out=out, force=force, progress=progress, keep_models=(DEMO_MODEL,))
 
 
-def _heldout_file(out: Path, config: CompareConfig) -> Path:
-    """The validation documents of the comparison, as .jsonl (the evaluation reads text, not ids)."""
-
-    _, val_docs = split_documents(load_corpus(config.data, config.max_chars))
-    path = out / "heldout.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in val_docs), encoding="utf-8")
-    return path
-
-
 def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool) -> dict:
     """Export the trained model, quantize it to FP8, evaluate it; returns figures and the section HTML.
 
-    Needs mixprec.training.export_for_inference, mixprec.inference.quantize_checkpoint and
+    Needs mixprec.comparison.export, mixprec.inference.quantize_checkpoint and
     mixprec.evaluation.runner.evaluate (issues 3, 5, 6).
     """
 
-    model = summary.trained_models.get(DEMO_MODEL)
-    if model is None:
-        raise MixprecError(f"the demo's comparison kept no {DEMO_MODEL} model to quantize")
-    model_dir, fp8_dir, eval_dir = (
-        out / f"model-{DEMO_MODEL}",
-        out / f"model-{DEMO_MODEL}-fp8",
-        out / "inference",
-    )
-    export_for_inference(model, model_dir, dtype="bf16", force=True)
-    save_tokenizer(summary.tokenizer, model_dir)
+    model_dir = export_trained(summary, out, [DEMO_MODEL])[DEMO_MODEL]
+    fp8_dir, eval_dir = out / f"{model_dir.name}-fp8", out / "inference"
     quantize_checkpoint(model_dir, fp8_dir, scheme="fp8-dynamic", force=True, progress=progress)
     eval_dir.mkdir(exist_ok=True)
     native = bool(detect().fp8_native)
@@ -135,7 +116,7 @@ def inference_step(summary, out: Path, config: CompareConfig, *, progress: bool)
     # bf16), so FP8 Linears save ~30% of the weight memory: the gate leaves room below that.
     gates = Gates(max_ppl_increase=0.01, min_memory_saving=0.25, min_speedup=1.3 if native else None)
     result = evaluate(
-        reference=model_dir, candidate=fp8_dir, data=_heldout_file(eval_dir, config), task="lm",
+        reference=model_dir, candidate=fp8_dir, data=write_heldout(eval_dir, config), task="lm",
         samples=64, seq_len=config.seq_len, gates=gates, progress=progress,
     )  # fmt: skip
     write_report(result, eval_dir)

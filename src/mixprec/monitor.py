@@ -2,7 +2,9 @@
 
 Every `every` steps, for each quantizing layer and tensor role ("input", "weight", "grad_output"), it
 records the amax, the scale in use, the saturation rate (share of elements whose |x / scale| exceeds
-the format's max, i.e. clipped), the underflow rate (share of non-zero elements that round to zero)
+the format's max, i.e. clipped, by more than block scales clip by their own rounding:
+Granularity.clip_headroom, 1 for fp32 scales), the underflow rate (share of non-zero elements that
+round to zero)
 and a histogram of log2|x / scale| on fixed power-of-two bins around the format's representable range.
 Every step it checks the loss and the gradients (and, when asked, every module's output) for NaN/inf,
 names the first layer and tensor where one appeared, and tells the loop to skip the step.
@@ -41,6 +43,8 @@ from mixprec.formats import Format, get_format
 from mixprec.scaling import Granularity, apply_blockwise, as_2d
 
 ROLES = ("input", "weight", "grad_output")
+# 2: `saturated` leaves out what block scales clip by their own rounding (Granularity.clip_headroom)
+MONITOR_SCHEMA_VERSION = 2
 # histogram edges reach this many octaves below the smallest subnormal and above the max, so the
 # part of a distribution that underflows or saturates stays visible
 _HIST_MARGIN_BELOW = 8
@@ -150,7 +154,8 @@ def tensor_stats(
         ax = torch.where(finite, x2.abs(), 0.0)
         scaled = apply_blockwise(ax, scale2, g, torch.div)
         nonzero = ax > 0
-        saturated = int((scaled > fmt.max).sum()) + int((~finite).sum())
+        # block scales that round down clip a block's maximum a little by construction: not a range problem
+        saturated = int((scaled > fmt.max * g.clip_headroom(fmt)).sum()) + int((~finite).sum())
         # round-to-nearest-even sends |v| <= min_subnormal / 2 to zero (the tie goes to the even code, 0)
         underflowed = int((nonzero & (scaled <= fmt.min_subnormal / 2)).sum())
         lo, hi = _hist_edges(fmt)
@@ -379,7 +384,9 @@ class PrecisionMonitor:
                 Path(self.jsonl_path).parent.mkdir(parents=True, exist_ok=True)
                 self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 (kept open across steps)
             for r in rows:
-                self._jsonl.write(json.dumps({"schema_version": 1, "kind": "precision", **r}) + "\n")
+                self._jsonl.write(
+                    json.dumps({"schema_version": MONITOR_SCHEMA_VERSION, "kind": "precision", **r}) + "\n"
+                )
             self._jsonl.flush()
         if self.tensorboard_dir is not None:
             self._write_tensorboard(rows)

@@ -103,12 +103,13 @@ class Granularity:
     @property
     def name(self) -> str:
         if self.scale_format == "e8m0":
-            size = self.block_cols if self.block_rows == 1 else self.block_rows
-            return (
-                f"mx{size}"
-                + ("" if self.block_rows == 1 else "-col")
-                + ("" if self.mx_rounding == "floor" else f"-{self.mx_rounding}")
-            )
+            if self.block_rows == 1:
+                shape = f"{self.block_cols}"
+            elif self.block_cols == 1:
+                shape = f"{self.block_rows}-col"  # blocks down the columns: a transposed operand's
+            else:
+                shape = f"{self.block_rows}x{self.block_cols}"  # 2-D blocks (fp4-mxfp4 weights with 2d)
+            return f"mx{shape}" + ("" if self.mx_rounding == "floor" else f"-{self.mx_rounding}")
         if self.scale_format == "e4m3":
             shape = f"{self.block_cols}" if self.block_rows == 1 else f"{self.block_rows}x{self.block_cols}"
             return f"nv{shape}" + ("-input" if self.scale_math == "input" else "")
@@ -117,6 +118,25 @@ class Granularity:
             (1, None): "row",
             (None, 1): "column",
         }.get((self.block_rows, self.block_cols), f"block{self.block_rows}x{self.block_cols}")
+
+    def clip_headroom(self, fmt: Format) -> float:
+        """How far above fmt.max |x / scale| may reach because of how this granularity's scales are
+        rounded, as a factor (1.0 for fp32 scales): elements clipped within it are the scale rule's
+        rounding, not a range problem, and do not count as saturated (monitor, profile). E4M3 block
+        scales round amax / max to nearest: at most 2^-4 below it in E4M3's normal range, so up to
+        max / (1 - 2^-4) (6.4 for E2M1), widened by 2^-7 for compressed-tensors' bf16 arithmetic
+        (about 3 % of an NVFP4 tensor lands there: one block maximum in two). E8M0 "floor" takes
+        2^(floor(log2 amax) - emax): up to 2^(emax+1) (8 for E2M1); "even" bumps the exponent
+        from mantissa 2 - 2^-(m+1) up (7 for E2M1); "rceil" never clips a block in range."""
+        fmt = get_format(fmt)
+        if self.scale_format == "e4m3":
+            return (1 / (1 - 2.0**-4)) * (1 + 2.0**-7)
+        if self.scale_format == "e8m0":
+            top = {"floor": 2.0, "even": 2.0 - 2.0 ** -(fmt.mantissa_bits + 1), "rceil": 0.0}[
+                self.mx_rounding
+            ]
+            return max(top * 2.0**fmt.emax / fmt.max, 1.0)
+        return 1.0
 
     def transposed(self) -> Granularity:
         """The same blocking for the transposed 2-D view (1x128 tiles become 128x1)."""

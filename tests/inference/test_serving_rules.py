@@ -25,6 +25,7 @@ from mixprec.inference.schemes import (
     InferenceScheme,
     fused_block_reason,
     serving_reasons,
+    transformers_dequantize_reason,
 )
 from mixprec.select import fp8_dims_reason, fused_shards
 
@@ -202,8 +203,10 @@ def test_smollm2_shapes_fp8_block_keep_qkv_in_high_precision(smol_shaped, tmp_pa
     tensors = read_tensors(out)
     assert all(tensors[f"{n}.weight"].dtype == tensors["model.embed_tokens.weight"].dtype for n in qkv)
     assert tensors["model.layers.0.self_attn.o_proj.weight"].dtype.itemsize == 1
-    # the HF fp8 layout is exempt from the rule: there every Linear is block-quantized
-    hf = quantize_checkpoint(smol_shaped, tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False)
+    # the HF fp8 layout is exempt from the rule: there every Linear is block-quantized; it warns that
+    # transformers' dequantizing reader (a CPU) refuses weights their 128-block scale grid does not divide
+    with pytest.warns(UserWarning, match="7 Linear layer.*not in transformers on a CPU"):
+        hf = quantize_checkpoint(smol_shaped, tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False)
     assert set(qkv) <= set(hf.converted) and len(hf.converted) == 7
 
 
@@ -218,9 +221,10 @@ def test_strict_refuses_before_anything_is_written(smol_shaped, tmp_path, capsys
     # what the engines accept passes under --strict, and so do layers named by --ignore
     quantize_checkpoint(smol_shaped, tmp_path / "named", "fp8-block", ignore=["q_proj", "k_proj", "v_proj"], strict=True, progress=False)  # fmt: skip
     quantize_checkpoint(smol_shaped, tmp_path / "ok", "fp8-dynamic", strict=True, progress=False)
-    quantize_checkpoint(
-        smol_shaped, tmp_path / "hf", "fp8-block", format="hf-fp8", strict=True, progress=False
-    )
+    with pytest.warns(UserWarning, match="not in transformers on a CPU"):  # vLLM's rules pass: a warning only
+        quantize_checkpoint(
+            smol_shaped, tmp_path / "hf", "fp8-block", format="hf-fp8", strict=True, progress=False
+        )
 
 
 def test_moe_experts_with_an_intermediate_size_vllm_refuses_stay_whole_in_both_layouts():
@@ -235,3 +239,27 @@ def test_moe_experts_with_an_intermediate_size_vllm_refuses_stay_whole_in_both_l
             and "gate's and up's weight = 192" in extra[f"{moe}.1.w1"]
         )
         assert extra[f"{moe}.0.w2"].startswith(PARTLY_QUANTIZED_RULE)  # down_proj follows its block
+
+
+@pytest.mark.parametrize(("hidden", "refused"), [(320, True), (256, False)])
+def test_transformers_dequantizing_hf_fp8_reader_agrees_with_the_rule(tmp_path, capfd, caplog, hidden, refused):
+    """transformers 5.24 reads hf-fp8 on a CPU by dequantizing, deriving the block from the scale grid:
+    hidden 320 has a grid of 3 blocks that does not divide it; 256 has 2 that do. The rule predicts
+    what the real loader does."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, head_dim=64)  # fmt: skip
+    model.save_pretrained(tmp_path / "model")
+    for dims in ((hidden, hidden), (2 * hidden, hidden), (hidden, 2 * hidden)):
+        why = transformers_dequantize_reason("hf-fp8", BLOCK.weight_block, *dims)
+        assert (why is not None) == refused and transformers_dequantize_reason("compressed-tensors", BLOCK.weight_block, *dims) is None
+    if refused:
+        with pytest.warns(UserWarning, match="not in transformers on a CPU"):
+            quantize_checkpoint(tmp_path / "model", tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False)
+        with pytest.raises(RuntimeError, match="conversion of the weights"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+        captured = capfd.readouterr()
+        assert "not divisible by scale grid" in captured.out + captured.err + caplog.text
+    else:
+        quantize_checkpoint(tmp_path / "model", tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False)
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -23,6 +23,7 @@ from mixprec.comparison.config import (
     CompareConfig,
     parse_fraction,
 )
+from mixprec.comparison.export import check_exportable, export_trained, write_heldout
 from mixprec.comparison.outdir import stored_config
 from mixprec.comparison.page import null_check_line, verdict_label
 from mixprec.comparison.runner import compare
@@ -105,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="equivalence margin of fp8 recipes against their baseline (default: %(default)s)",
     )
     parser.add_argument(
+        "--margin-fp4",
+        dest="threshold_fp4",
+        default=str(DEFAULT_THRESHOLDS["fp4"]),
+        help="equivalence margin of fp4 recipes against their baseline (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-saturation",
         default=str(DEFAULT_THRESHOLDS["saturation"]),
         help="largest share of a tensor that may saturate (peak over the run) before the recipe is worse "
@@ -114,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-underflow",
         default=str(DEFAULT_THRESHOLDS["underflow"]),
         help="the same for underflow (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-underflow-fp4",
+        default=str(DEFAULT_THRESHOLDS["underflow_fp4"]),
+        help="the same for the underflow of fp4 recipes, whose E2M1 zeroes every value below 1/24 of its "
+        "block's maximum by design (default: %(default)s)",
     )
     parser.add_argument(
         "--verdict-loss",
@@ -160,6 +173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="precision statistics interval (default: min(100, steps/20))",
+    )
+    parser.add_argument(
+        "--export",
+        default="",
+        help="comma-separated recipes whose trained model is written to OUT/model-<recipe> (a Hugging Face "
+        "directory with the tokenizer, bf16; fp32 for fp32) with OUT/heldout.jsonl, the validation text: "
+        "what quantize, evaluate and --scheme auto read (needs --out)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the interrupted comparison in --out")
@@ -208,8 +228,10 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CompareConfig:
         thresholds={
             "bf16": parse_fraction(args.threshold_bf16),
             "fp8": parse_fraction(args.threshold_fp8),
+            "fp4": parse_fraction(args.threshold_fp4),
             "saturation": parse_fraction(args.max_saturation),
             "underflow": parse_fraction(args.max_underflow),
+            "underflow_fp4": parse_fraction(args.max_underflow_fp4),
         },
         verdict_loss=args.verdict_loss, policy=args.policy, null_runs=0 if args.no_noise else args.null_runs,
         recipe_null_runs=args.recipe_null_runs, noise=args.order_noise and not args.no_noise, monitor_every=args.monitor_every,
@@ -299,6 +321,10 @@ def run(args: argparse.Namespace) -> int:
         # settings not given again on the command line are taken from the interrupted run
         if stored != config and _is_default_invocation(args):
             config = stored
+    exports = tuple(r.strip() for r in args.export.split(",") if r.strip())
+    if exports and not args.out:
+        raise MixprecError("--export writes into --out: give --out DIR")
+    check_exportable(exports, config)
     with torchrun.session() as world:
         torchrun.check_batch(config.batch_size, world)
         summary = compare(
@@ -308,10 +334,14 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
             progress=not args.no_progress and is_main_process(),
             prepare=DataParallel(args.dp if world > 1 else "none"),
-            keep_models=config.recipes if args.check_replicas else (),
+            keep_models=config.recipes if args.check_replicas else exports,
         )
         if is_main_process():
             print_summary(summary)
+            if exports:
+                for name, directory in export_trained(summary, Path(args.out), exports).items():
+                    print(f"exported {name}: {directory}")
+                print(f"held-out text: {write_heldout(Path(args.out), config)}")
         # the verdict is rank 0's (its summary is the one printed and written; the precision statistics
         # are each rank's own): every rank exits with it
         code = broadcast_object(exit_code(summary, args.strict))

@@ -36,7 +36,10 @@ GEMM_KINDS = {
     "blockwise_1x128_128x128": (Granularity.blocks(1, 128), Granularity.blocks(128, 128)),
     "blockwise_1x128_1x128": (Granularity.blocks(1, 128), Granularity.blocks(1, 128)),
     "mxfp8": (Granularity.mx(32), Granularity.mx(32)),
+    "nvfp4": (Granularity.nvfp4(), Granularity.nvfp4()),
+    "mxfp4": (Granularity.mx(32), Granularity.mx(32)),
 }
+FP4_KINDS = ("nvfp4", "mxfp4")  # E2M1 operands (packed codes); the others E4M3
 PLAN_SIZE = 256  # M = N = K of the operands asked about: a multiple of every kernel's block
 PLAN_OUT_DTYPE = torch.bfloat16  # what the forward GEMMs of bf16 training write
 
@@ -45,11 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
-def sample_operand(granularity: Granularity, device: torch.device | str) -> QuantizedTensor:
-    """An E4M3 operand of this granularity on `device` (contents irrelevant: only its layout is asked)."""
-    fmt = get_format("e4m3")
+def sample_operand(
+    granularity: Granularity, device: torch.device | str, fmt: str = "e4m3"
+) -> QuantizedTensor:
+    """An operand of this format and granularity on `device` (contents irrelevant: only its layout is
+    asked). E2M1 payloads are codes in uint8, as mixprec.quantization stores them."""
+    fmt = get_format(fmt)
     n = PLAN_SIZE
-    data = torch.zeros(n, n, dtype=fmt.torch_dtype, device=device)
+    data = torch.zeros(n, n, dtype=fmt.torch_dtype or torch.uint8, device=device)
     scale = torch.ones(granularity.scale_shape(n, n), device=device)
     return QuantizedTensor(data, scale, fmt, granularity, torch.Size((n, n)))
 
@@ -59,7 +65,8 @@ def gemm_plan(device: torch.device | str) -> dict[str, dict]:
     each scaling kind on `device`, decided by the seam's own will_emulate / native_available."""
     plan = {}
     for kind, (ga, gb) in GEMM_KINDS.items():
-        a, b = sample_operand(ga, device), sample_operand(gb, device)
+        fmt = "e2m1" if kind in FP4_KINDS else "e4m3"
+        a, b = sample_operand(ga, device, fmt), sample_operand(gb, device, fmt)
         available, why = native_available(a, b, PLAN_OUT_DTYPE)
         if not will_emulate(a, b, "auto", PLAN_OUT_DTYPE):
             backend = (
@@ -179,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("BF16 tensor cores (>= 8.0)", yes(caps.bf16_tensor_cores))
     table.add_row("FP8 tensor cores (>= 8.9)", yes(caps.fp8_native))
     table.add_row("MXFP8 tensor cores (>= 10.0)", yes(caps.mxfp8_native))
+    table.add_row("FP4 tensor cores (>= 10.0)", yes(caps.fp4_native))
     table.add_row("torch._scaled_mm on CPU", yes(caps.scaled_mm_cpu))
     table.add_row("torch._scaled_mm on CUDA", yes(caps.scaled_mm_cuda))
     table.add_row("kernels: bf16 GEMM", f"{report['bf16_gemm']['path']} — {report['bf16_gemm']['note']}")

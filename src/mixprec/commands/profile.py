@@ -20,6 +20,8 @@ from mixprec.files import check_new_output
 from mixprec.kernels.hardware import describe_machine
 from mixprec.recipes import ROLES
 from mixprec.sensitivity import (
+    FP4_MIN_SNR_DB,
+    FP4_UNDERFLOW_LIMIT,
     MIN_SNR_DB,
     PRECISIONS,
     SATURATION_LIMIT,
@@ -82,6 +84,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=MIN_SNR_DB,
         help="... or quantizes below this SNR in dB (default: %(default)s)",
     )
+    parser.add_argument(
+        "--max-underflow-fp4",
+        default=str(FP4_UNDERFLOW_LIMIT),
+        help="the underflow limit of FP4 recipes, whose E2M1 zeroes every value below 1/24 of its block's "
+        "maximum by design (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-snr-db-fp4",
+        type=float,
+        default=FP4_MIN_SNR_DB,
+        help="the SNR limit of FP4 recipes: Gaussian values quantize at 19-20 dB in NVFP4/MXFP4 "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--out", default=None, help="output directory for profile.json and report.html")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -98,6 +113,8 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         saturation=parse_fraction(args.max_saturation),
         underflow=parse_fraction(args.max_underflow),
         min_snr_db=args.min_snr_db,
+        fp4_underflow=parse_fraction(args.max_underflow_fp4),
+        fp4_min_snr_db=args.min_snr_db_fp4,
     )
 
 

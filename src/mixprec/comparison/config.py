@@ -9,8 +9,8 @@ from pathlib import Path
 from mixprec.errors import MixprecError
 from mixprec.hf import check_model_dir
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.sensitivity import SATURATION_LIMIT, UNDERFLOW_LIMIT
-from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN
+from mixprec.sensitivity import FP4_UNDERFLOW_LIMIT, SATURATION_LIMIT, UNDERFLOW_LIMIT
+from mixprec.verdicts import FP4_MARGIN, FP8_MARGIN, HALF_MARGIN
 
 DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
 # The default comparison: these 4 recipes, each re-run 3 times from rounding-level perturbed weights
@@ -38,8 +38,10 @@ DEFAULT_MODEL_CONFIG = {
 DEFAULT_THRESHOLDS = {
     "bf16": HALF_MARGIN,
     "fp8": FP8_MARGIN,
+    "fp4": FP4_MARGIN,
     "saturation": SATURATION_LIMIT,
     "underflow": UNDERFLOW_LIMIT,
+    "underflow_fp4": FP4_UNDERFLOW_LIMIT,
 }
 NOISE_SUFFIX = "~reorder"  # run name of a baseline re-run with only the data order changed
 NULL_SUFFIX = "~null"  # + k (1-based): a baseline re-run from weights perturbed at rounding level
@@ -219,9 +221,14 @@ class CompareConfig:
         return list(dict.fromkeys([*bases, *against_fp32]))
 
     def threshold_for(self, recipe: str) -> float:
-        """FP8 and FP4 recipes are judged with the fp8 threshold (the one low-precision margin), every
-        other kind with the 16-bit one."""
-        return self.thresholds["fp8" if from_name(recipe).kind in QUANTIZED_KINDS else "bf16"]
+        """FP8 recipes are judged with the fp8 margin, FP4 recipes with the fp4 one, every other kind
+        with the 16-bit one."""
+        kind = from_name(recipe).kind
+        return self.thresholds[kind if kind in QUANTIZED_KINDS else "bf16"]
+
+    def underflow_limit_for(self, recipe: str) -> float:
+        """FP4 recipes zero a large share of small values by design (mixprec.sensitivity.limits)."""
+        return self.thresholds["underflow_fp4" if from_name(recipe).kind == "fp4" else "underflow"]
 
 
 def null_run_name(baseline: str, k: int) -> str:

@@ -16,7 +16,7 @@ from mixprec.comparison.summary import (
 )
 from mixprec.monitor import ROLES
 from mixprec.pages import Section, heatmap_grid_png, line_plot_png, paragraph, table_html
-from mixprec.recipes import from_name
+from mixprec.recipes import QUANTIZED_KINDS, from_name
 from mixprec.verdicts import EQUIVALENT, INCONCLUSIVE, WORSE
 
 # row colours of the verdict table (mixprec.pages styles "pass" / "fail" / "inconclusive" rows)
@@ -74,15 +74,17 @@ def verdict_section(summary: ComparisonSummary) -> Section:
     window = max(1, math.ceil(WINDOW_SHARE * cfg["steps"]))
     note = (
         f"The verdict uses the {which} loss: gap = (loss − baseline) / baseline, signed, over the last {window} steps "
-        f"(the same batches for every run). Margins: FP8 recipes {margins['fp8'] * 100:.2f}% against their "
-        f"baseline, 16-bit recipes {margins['bf16'] * 100:.2f}%. Null band: the largest |gap| of the baseline's "
-        f"{cfg.get('null_runs', 0)} null runs — the baseline again on the same batches from initial weights moved by "
-        f"one ulp at random positions — i.e. how far two equally good runs drift apart. Decided interval: the gap's "
-        f"paired bootstrap interval (95 %) widened by the band on each side. equivalent: the whole interval is at or "
-        f"below the margin; worse: the whole interval is above it (or NaN/inf steps, or saturation / underflow beyond "
-        f"their limits); inconclusive: it straddles the margin, with the steps that would settle it extrapolated from "
-        f"how the interval narrowed between half the run and the whole. Data-order noise (when run): the baseline "
-        f"with its batches reordered, reported for comparison, not used by the verdict."
+        f"(the same batches for every run). Margins: FP8 recipes {margins['fp8'] * 100:.2f}% and FP4 recipes "
+        f"{margins.get('fp4', margins['fp8']) * 100:.2f}% against their baseline, 16-bit recipes "
+        f"{margins['bf16'] * 100:.2f}%. Null runs: the baseline again on the same batches from initial weights moved "
+        f"by one ulp at random positions ({cfg.get('null_runs', 0)} per baseline, and per recipe when it has its own) — "
+        f"equally good runs, whose spread is how far such runs land apart. Decided interval: the recipe's figure "
+        f"minus the mean of the baseline's runs, ± Student's t (95 %) times their spread times sqrt(1 + 1/n); a "
+        f"recipe with null runs of its own is judged on the mean of its runs with both spreads (Welch). equivalent: "
+        f"the whole interval within ± the margin; worse: the whole interval above it (or NaN/inf steps, or saturation "
+        f"/ underflow beyond their limits); inconclusive: otherwise, with about how many null runs would settle it. "
+        f"Data-order noise (when run): the baseline with its batches reordered, reported for comparison, not used by "
+        f"the verdict."
     )
     bad, open_ = summary.failures(), summary.inconclusive()
     status = (
@@ -126,7 +128,7 @@ def curve_sections(summary: ComparisonSummary, records: list[dict]) -> list[Sect
         _bx, bv = val[r.baseline]
         vx, vv = val[name]
         val_gaps[f"{name} vs {r.baseline}"] = (vx, [(a - b) / b for a, b in zip(vv, bv)])
-        kind = "fp8" if from_name(name).kind == "fp8" else "16-bit"
+        kind = from_name(name).kind if from_name(name).kind in QUANTIZED_KINDS else "16-bit"
         hlines[f"{kind} margin {r.margin * 100:.2f}%"] = r.margin
         for extra_run in (*summary.bands.get(r.baseline, {}).get("runs", []), r.baseline + NOISE_SUFFIX):
             if extra_run in runs and f"{extra_run} vs {r.baseline}" not in gaps:

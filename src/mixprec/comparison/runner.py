@@ -256,7 +256,10 @@ def with_automatic_policies(
         return specs
     batches = [train_batch(data, config.batch_size, step, config.seed) for step in range(AUTO_POLICY_PASSES)]
     profile = profile_model(base_model, batches, recipes=recipes, device=config.device)
-    limits = Limits(saturation=config.thresholds["saturation"], underflow=config.thresholds["underflow"])
+    limits = Limits(
+        saturation=config.thresholds["saturation"], underflow=config.thresholds["underflow"],
+        fp4_underflow=config.thresholds["underflow_fp4"],
+    )  # fmt: skip
     policies = {r: automatic_policy(profile, r, limits) for r in recipes}
     model_info["automatic_policy"] = {
         "passes": profile.passes,

@@ -44,8 +44,8 @@ from mixprec.verdicts import (
 # against a margin with the null runs' band (`bands`, `interval`, `band_*`, `steps_to_settle`), `passed`
 # false only for `worse`; 4: the interval from the spread of the baseline's runs (`bands.*.members`,
 # `spread_*`), `null_runs_to_settle` replaces `steps_to_settle`; metrics.jsonl rows are unchanged since 1
-SCHEMA_VERSION = 4
-METRICS_SCHEMA_VERSION = 1
+SCHEMA_VERSION = 5
+METRICS_SCHEMA_VERSION = 2
 BASELINE = "baseline"  # the verdict of a recipe others are judged against
 WINDOW_SHARE = 0.1  # the verdict window: the last 10 % of steps
 # where the band's evolution is sampled (fractions of the run): how the spread of equally good runs
@@ -66,7 +66,9 @@ class RecipeSummary:
     noise_train: float | None  # the baseline's data-order noise run (--order-noise), fraction
     noise_val: float | None
     noise_max_smoothed_gap: float | None
-    margin: float | None  # the largest acceptable gap (verdicts.FP8_MARGIN / HALF_MARGIN by default)
+    margin: (
+        float | None
+    )  # the largest acceptable gap (verdicts.FP8_MARGIN / FP4_MARGIN / HALF_MARGIN by default)
     verdict: str  # "equivalent", "worse", "inconclusive" or "baseline"
     band_train: float | None = None  # half-width of the band: how far an equally good run may land
     band_val: float | None = None
@@ -494,7 +496,11 @@ def _verdict(s: RecipeSummary, config: CompareConfig) -> tuple[str, list[str]]:
 def _precision_evidence(s: RecipeSummary, config: CompareConfig) -> list[str]:
     """The run's saturation / underflow peaks above the limits of config.thresholds: evidence of a
     precision problem that a loss gap within the margin cannot give."""
-    return _peaks_above(s, {k: config.thresholds[k] for k in ("saturation", "underflow")})
+    limits = {
+        "saturation": config.thresholds["saturation"],
+        "underflow": config.underflow_limit_for(s.recipe),
+    }
+    return _peaks_above(s, limits)
 
 
 # a failing recipe's reasons name any saturation or underflow above this, to say why it failed

@@ -41,7 +41,12 @@ from mixprec.inference.layout_tables import (
     read_layout_config,
 )
 from mixprec.inference.safetensors_io import Checkpoint, ShardReader, open_checkpoint
-from mixprec.inference.schemes import PARTLY_QUANTIZED_RULE, InferenceScheme, fused_block_reason
+from mixprec.inference.schemes import (
+    PARTLY_QUANTIZED_RULE,
+    InferenceScheme,
+    fused_block_reason,
+    transformers_dequantize_reason,
+)
 from mixprec.scaling import Granularity
 from mixprec.select import fused_shards
 
@@ -422,6 +427,16 @@ def _engines(
         tf.append(
             "transformers' fp8 reader names per-tensor scales differently; only weight_block_size checkpoints agree"
         )
+    elif cfg.layout == "hf-fp8":
+        refused = [
+            (m.name, why)
+            for m in mods.values()
+            if m.scheme
+            and m.dims
+            and (why := transformers_dequantize_reason(cfg.layout, m.scheme.block, *m.dims))
+        ]
+        if refused:
+            tf.append(f"{len(refused)} layer(s), e.g. {refused[0][0]}: {refused[0][1]}")
     tf += [f"check failed: {b}" for b in broken]
     mp = [f"{s}: mixprec runs FP8 schemes only" for s in sorted(schemes - _MIXPREC)]
     mp += [f"check failed: {b}" for b in broken]

@@ -65,6 +65,7 @@ from mixprec.inference.schemes import (
     resolve_ignore,
     serving_reasons,
     skip_reason,
+    transformers_dequantize_reason,
 )
 from mixprec.progress import ProgressBars, progress_bar
 from mixprec.scaling import compute_scale
@@ -203,6 +204,17 @@ def quantize_checkpoint(
         report.warn(
             f"{len(unnamed)} weight tensor(s) stay in high precision although no ignore pattern names them "
             f"(e.g. {listed}{'; ...' if len(unnamed) > 3 else ''}); the report lists each with its reason"
+        )
+    dequantize_refused = {
+        n: why
+        for n, dims in targets.items()
+        if (why := transformers_dequantize_reason(format, schemes[n].weight_block, *dims))
+    }
+    if dequantize_refused:
+        name, why = next(iter(dequantize_refused.items()))
+        report.warn(
+            f"{len(dequantize_refused)} Linear layer(s) load in vLLM and on FP8 GPUs but not in transformers on a "
+            f"CPU (e.g. {name}: {why}); the compressed-tensors layout has no such limit"
         )
 
     input_amax: dict[str, float] = {}

@@ -23,9 +23,11 @@ from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
 from mixprec.inference import layouts
 from mixprec.inference.experts import UnfusedExperts
 from mixprec.inference.linear import BlockQuantizedLinear, QuantizedLinear
+from mixprec.inference.mixed import MIXED
 from mixprec.inference.safetensors_io import PlannedShardWriter, PlannedTensor, plan_shards, write_index
 from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
+from mixprec.select import fused_groups
 
 DEFAULT_MAX_SHARD_SIZE = 2 << 30
 
@@ -49,6 +51,24 @@ def _scheme_of(name: str, m: QuantizedLinear) -> InferenceScheme:
     )
 
 
+def _check_mixed(schemes: dict[str, InferenceScheme], format: str) -> None:
+    """A mixed-precision model is written as compressed-tensors config groups, each fused group
+    (q/k/v, gate/up, experts) in one scheme: serving engines run its members as one GEMM."""
+    if format != "compressed-tensors":
+        names = sorted({s.name for s in schemes.values()})
+        raise MixprecError(
+            f"the model's Linears are in several schemes ({', '.join(names)}): a mixed-precision checkpoint is "
+            f"written in the compressed-tensors layout only, not {format}"
+        )
+    for group, members in fused_groups(schemes).items():
+        split = {m: schemes[m].name for m in members}
+        if len(set(split.values())) > 1:
+            raise MixprecError(
+                f"fused group {group} is split across schemes ({split}): serving engines run its members "
+                "as one GEMM, so they take one scheme"
+            )
+
+
 def _output_dtype_name(model: nn.Module) -> str | None:
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return str(dtypes[0]).replace("torch.", "") if dtypes else None
@@ -63,8 +83,9 @@ def save_quantized(
     force: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write `model` (a Hugging Face model with QuantizedLinear layers) as an FP8 checkpoint directory
-    that `load_quantized`, vLLM and transformers read; returns the directory.
+    """Write `model` (a Hugging Face model with QuantizedLinear layers) as a quantized checkpoint directory
+    that `load_quantized`, vLLM and transformers read; returns the directory. Linears in several schemes
+    make a mixed-precision checkpoint (compressed-tensors, one config group per scheme).
 
     format: "compressed-tensors" or "hf-fp8" (fp8-block only), as `mixprec quantize --format`.
     tokenizer: saved beside the weights when given (the model does not know its tokenizer).
@@ -92,13 +113,12 @@ def save_quantized(
             "first, or save it with save_pretrained"
         )
     schemes = {n: _scheme_of(n, m) for n, m in quantized.items()}
-    scheme = next(iter(schemes.values()))
-    other = next((n for n, s in schemes.items() if s != scheme), None)
-    if other is not None:
-        raise MixprecError(
-            f"save_quantized writes one scheme per checkpoint: {next(iter(schemes))} is {scheme.name}, "
-            f"{other} is {schemes[other].name}"
-        )
+    # several schemes (quantize_model_(model, "auto") or a {Linear: scheme} mapping): one
+    # compressed-tensors config group per scheme, as quantize_checkpoint writes it
+    mixed = len(set(schemes.values())) > 1
+    scheme = MIXED if mixed else next(iter(schemes.values()))
+    if mixed:
+        _check_mixed(schemes, format)
     if format == "hf-fp8":
         layouts.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
     check_new_output(out, force, flag="force=True")
@@ -124,7 +144,7 @@ def save_quantized(
         m = quantized.get(module)
         if m is not None and leaf == "weight_scale":
             tensors[f"{module}.{names['weight_scale']}"] = t.reshape(
-                scheme.scale_shape(m.out_features, m.in_features)
+                schemes[module].scale_shape(m.out_features, m.in_features)
             )
         elif m is not None and leaf == "input_scale":
             tensors[f"{module}.{names['input_scale']}"] = t.reshape(1)
@@ -140,7 +160,7 @@ def save_quantized(
         before = known.get(n, {})
         q = m.quantized_weight()
         entry = layer_entry(
-            scheme=scheme.name, weight_granularity=m.weight_granularity.name, weight_scale=m.weight_scale.cpu(),
+            scheme=schemes[n].name, weight_granularity=m.weight_granularity.name, weight_scale=m.weight_scale.cpu(),
             weight_amax=float(q.dequantize(torch.float32).abs().max()),
             relative_weight_error=(before.get("weight") or {}).get("relative_error"),
             shape=(m.out_features, m.in_features), input_scale=None if m.input_scale is None else m.input_scale.cpu(),
@@ -163,7 +183,9 @@ def save_quantized(
     if dtype is not None:
         out_cfg["dtype"] = dtype
         out_cfg.pop("torch_dtype", None)
-    if format == "compressed-tensors":
+    if mixed:
+        out_cfg["quantization_config"] = layouts.ct_mixed_quantization_config(schemes, ignored, kv_cache)
+    elif format == "compressed-tensors":
         out_cfg["quantization_config"] = layouts.ct_quantization_config(scheme, ignored, kv_cache)
     else:
         out_cfg["quantization_config"] = layouts.hf_fp8_quantization_config(scheme, ignored)

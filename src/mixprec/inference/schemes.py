@@ -69,6 +69,14 @@ class InferenceScheme:
         """Elements per scale along K for the block formats (16 NVFP4, 32 MX), None for FP8 schemes."""
         return None if self.is_fp8 else self.weight_granularity.block_cols
 
+    @property
+    def weight_block(self) -> tuple[int, int] | None:
+        """(rows, cols) of the FP8 weight blocks (fp8-block: 128 x 128), None for other schemes."""
+        g = self.weight_granularity
+        if not self.is_fp8 or g.block_rows in (None, 1) or g.block_cols is None:
+            return None
+        return (g.block_rows, g.block_cols)
+
     @classmethod
     def from_name(cls, name: str | InferenceScheme) -> InferenceScheme:
         if isinstance(name, InferenceScheme):
@@ -260,6 +268,29 @@ def fused_block_reason(
     return (
         f"{FUSED_BLOCK_RULE} ({fused} stacks out_features {list(shard_out)}; {rule} must be a multiple of "
         f"block_n={block_n}, vLLM refuses it: '{refusal} by weight quantization block_n = {block_n}')"
+    )
+
+
+def transformers_dequantize_reason(
+    layout: str, block: tuple[int, int] | None, out_features: int, in_features: int
+) -> str | None:
+    """Why transformers' dequantizing reader refuses this Linear of an hf-fp8 block checkpoint, or None.
+
+    transformers (5.24) reads the Hugging Face `fp8` layout on a machine without its FP8 kernels (a CPU;
+    a GPU below compute capability 8.9) by dequantizing each weight, and derives the block from the
+    scale grid: it refuses a weight whose dims the grid [ceil(out/128), ceil(in/128)] does not divide
+    ("Weight shape (576, 576) not divisible by scale grid (5, 5)": integrations/finegrained_fp8.py,
+    `Fp8Dequantize._dequantize_one`). vLLM and transformers' own FP8 kernels take the partial blocks,
+    so mixprec still writes these layers in FP8 and says so (quantize warns; inspect names them).
+    block: the (rows, cols) of the FP8 weight blocks, None for a scheme without weight blocks."""
+    if layout != "hf-fp8" or block is None:
+        return None
+    rows, cols = math.ceil(out_features / block[0]), math.ceil(in_features / block[1])
+    if out_features % rows == 0 and in_features % cols == 0:
+        return None
+    return (
+        f"transformers dequantizes hf-fp8 weights on a CPU (or a GPU without FP8) and refuses a weight its scale "
+        f"grid does not divide: ({out_features}, {in_features}) by ({rows}, {cols})"
     )
 
 

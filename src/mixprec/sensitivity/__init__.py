@@ -15,7 +15,14 @@ actual quantizations by THE quantizer — and the policies drawn from it.
 
 from mixprec.sensitivity.allocation import Allocation, Budget, allocate
 from mixprec.sensitivity.automatic import AutoResult, auto_quantize_checkpoint
-from mixprec.sensitivity.limits import MIN_SNR_DB, SATURATION_LIMIT, UNDERFLOW_LIMIT, Limits
+from mixprec.sensitivity.limits import (
+    FP4_MIN_SNR_DB,
+    FP4_UNDERFLOW_LIMIT,
+    MIN_SNR_DB,
+    SATURATION_LIMIT,
+    UNDERFLOW_LIMIT,
+    Limits,
+)
 from mixprec.sensitivity.policy import AutomaticPolicy, KeptLayer, automatic_policy
 from mixprec.sensitivity.profile import (
     PRECISIONS,
@@ -33,6 +40,8 @@ from mixprec.sensitivity.simulate import RecipeScales, is_quantizing
 from mixprec.sensitivity.statistics import Counts, quantization_counts
 
 __all__ = [
+    "FP4_MIN_SNR_DB",
+    "FP4_UNDERFLOW_LIMIT",
     "KEPT",
     "MIN_SNR_DB",
     "PRECISIONS",

@@ -60,6 +60,7 @@ class AutomaticPolicy:
 def layer_reasons(profile: Profile, layer: str, recipe: str, limits: Limits) -> list[str]:
     """Why `layer` should stay in high precision under `recipe` (empty: it may take the recipe)."""
     reasons = []
+    limits = limits.for_kind(from_name(recipe).kind)
     for role in ROLES:
         cell = profile.cell(layer, role, recipe)
         if cell.peak_saturation > limits.saturation:

@@ -73,7 +73,9 @@ def policy_section(policies: Sequence[dict]) -> Section:
         lim = policies[0]["limits"]
         note = (
             f"Limits: saturation {lim['saturation']:.2%}, underflow {lim['underflow']:.2%}, "
-            f"SNR {lim['min_snr_db']:g} dB (worst pass of any role: input, weight, grad_output)."
+            f"SNR {lim['min_snr_db']:g} dB; FP4 recipes underflow {lim.get('fp4_underflow', lim['underflow']):.2%}, "
+            f"SNR {lim.get('fp4_min_snr_db', lim['min_snr_db']):g} dB (worst pass of any role: input, weight, "
+            "grad_output)."
         )
     return Section(
         "Automatic policy: layers kept in bf16",

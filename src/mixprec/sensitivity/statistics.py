@@ -5,7 +5,8 @@ and per-layer sensitivity scoring for inference schemes can score a weight the s
 
 Every figure comes from an actual quantization by THE quantizer (mixprec.quantization.quantize) with
 the scales it used, so a profile's counts are those of the FP8 run it stands for:
-- saturated: elements whose |x / scale| exceeds the format's max (clipped by the saturating cast);
+- saturated: elements whose |x / scale| exceeds the format's max (clipped by the saturating cast)
+  by more than the block scales' own rounding clips (Granularity.clip_headroom; 1 for fp32 scales);
   x / scale is the quantizer's own fp32 division, redone for the payloads at the max; inf and NaN
   count too;
 - underflowed: non-zero elements whose payload is zero (flushed to zero);
@@ -113,7 +114,8 @@ def _saturated(xf: torch.Tensor, values: torch.Tensor, q: QuantizedTensor, fmt: 
     br, bc = q.granularity.block_shape(*xf.shape)
     scale = q.effective_scale()[rows // br, cols // bc]
     scaled = xf[rows, cols] / scale
-    return int((~(scaled.abs() <= fmt.max)).sum())  # NaN and inf are not <= max
+    limit = fmt.max * q.granularity.clip_headroom(fmt)  # block scales' own rounding is not saturation
+    return int((~(scaled.abs() <= limit)).sum())  # NaN and inf are not <= limit
 
 
 __all__ = ["Counts", "quantization_counts"]
