@@ -99,9 +99,13 @@ def main() -> None:
         rows[name] = row
     refs = {round(r["ppl_ref"], 9) for r in rows.values()}
     if len(refs) != 1:
-        raise SystemExit(f"the evaluations have different reference perplexities {sorted(refs)}: not comparable")
+        raise SystemExit(
+            f"the evaluations have different reference perplexities {sorted(refs)}: not comparable"
+        )
     print(f"reference perplexity {refs.pop():.3f}; blocks {len(next(iter(rows.values()))['nll'])}\n")
-    print("| checkpoint | bits per weight | perplexity | change [95 % interval] | KL mean | predicted score | schemes |")
+    print(
+        "| checkpoint | bits per weight | perplexity | change [95 % interval] | KL mean | predicted score | schemes |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in sorted(rows.items(), key=lambda kv: kv[1]["bits"]):
         c = r["change"]
@@ -109,7 +113,9 @@ def main() -> None:
         pred = f"{r['predicted']:.3e}" if "predicted" in r else "-"
         print(f"| {name} | {r['bits']:.3f} | {r['ppl']:.3f} | {c['estimate'] * 100:+.2f} % [{c['low'] * 100:+.2f} %, "
               f"{c['high'] * 100:+.2f} %] | {r['kl']:.4f} | {pred} | {schemes} |")  # fmt: skip
-    print("\nEach automatic checkpoint against every checkpoint of no larger size (+ 0.01 bits) that is not automatic:\n")
+    print(
+        "\nEach automatic checkpoint against every checkpoint of no larger size (+ 0.01 bits) that is not automatic:\n"
+    )
     print("| automatic | other | bits (auto / other) | perplexity difference [95 % interval] | lower |")
     print("|---|---|---|---|---|")
     for name, r in sorted(rows.items(), key=lambda kv: kv[1]["bits"]):
@@ -130,7 +136,11 @@ def main() -> None:
 
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
         for kind, marker in (("auto", "o"), ("heur", "s"), ("", "^")):
-            pick = {n: r for n, r in rows.items() if (n.startswith(kind) if kind else not n.startswith(("auto", "heur")))}
+            pick = {
+                n: r
+                for n, r in rows.items()
+                if (n.startswith(kind) if kind else not n.startswith(("auto", "heur")))
+            }
             if not pick:
                 continue
             xs = [r["bits"] for r in pick.values()]
@@ -140,13 +150,26 @@ def main() -> None:
             label = {"auto": "--scheme auto", "heur": "first/last blocks heuristic", "": "uniform"}[kind]
             left.errorbar(xs, ys, yerr=err, fmt=marker, capsize=3, label=label)
             for n, x, y in zip(pick, xs, ys):
-                left.annotate(n, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+                if kind != "auto":  # the automatic points are read off the x axis
+                    left.annotate(n, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
         left.set_xlabel("bits per weight (scales counted)")
         left.set_ylabel("perplexity change vs bf16 (%)")
         left.set_title("measured (mixprec evaluate, 95 % intervals)")
         left.legend(fontsize=8)
         auto = sorted((r for r in rows.values() if "predicted" in r), key=lambda r: r["predicted"])
-        right.plot([r["predicted"] for r in auto], [math.log(r["ppl"] / r["ppl_ref"]) for r in auto], "o-")
+        right.plot([r["predicted"] for r in auto], [math.log(r["ppl"] / r["ppl_ref"]) for r in auto], "o-",
+                   label="--scheme auto")  # fmt: skip
+        # the uniform schemes' predicted scores, from an automatic report (the same scores file)
+        report = next(args.dir.glob("auto-*/auto_report.json"), None)
+        uniform = json.loads(report.read_text())["uniform"] if report else {}
+        names = {"fp8": "fp8-dynamic"}
+        for name, r in rows.items():
+            score = uniform.get(names.get(name, name), {}).get("predicted_score")
+            if score is not None and "predicted" not in r:
+                right.plot([score], [math.log(r["ppl"] / r["ppl_ref"])], "^", color="tab:green")
+                right.annotate(f"uniform {name}", (score, math.log(r["ppl"] / r["ppl_ref"])), fontsize=7,
+                               xytext=(-60, 4), textcoords="offset points")  # fmt: skip
+        right.legend(fontsize=8)
         right.set_xlabel("predicted score (sum of gradient-weighted output errors)")
         right.set_ylabel("measured log(perplexity ratio)")
         right.set_title("--scheme auto: predicted vs measured")
