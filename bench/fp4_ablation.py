@@ -42,8 +42,12 @@ def main() -> None:
         return [window_gap(train_losses(runs[n]["step"], steps), base, steps) for n in names]
 
     reference = group(args.reference)
-    print(f"window: the last {summary['bands'][baseline]['window_steps']} of {steps} steps; gaps to the {baseline} run\n")
-    print(f"| recipe | runs | mean train gap to {baseline} | minus {args.reference} [95 % interval, Welch] | reading |")
+    print(
+        f"window: the last {summary['bands'][baseline]['window_steps']} of {steps} steps; gaps to the {baseline} run\n"
+    )
+    print(
+        f"| recipe | runs | mean train gap to {baseline} | minus {args.reference} [95 % interval, Welch] | reading |"
+    )
     print("|---|---|---|---|---|")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"| {args.reference} | {len(reference)} | {mean(reference) * 100:+.3f} % | – | the reference |")

@@ -249,10 +249,15 @@ def test_save_quantized_writes_a_mixed_model_as_quantize_checkpoint_does(llama_d
     qc = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
     assert ct.QuantizationConfig.model_validate(qc).format == "mixed-precision"
     assert qc == json.loads((first / "config.json").read_text())["quantization_config"]
-    written, original = load_file(tmp_path / "again" / "model.safetensors"), load_file(first / "model.safetensors")
+    written, original = (
+        load_file(tmp_path / "again" / "model.safetensors"),
+        load_file(first / "model.safetensors"),
+    )
     assert written.keys() == original.keys()
     for k, t in original.items():
-        assert written[k].dtype == t.dtype and torch.equal(written[k].view(torch.uint8), t.view(torch.uint8)), k
+        assert written[k].dtype == t.dtype and torch.equal(
+            written[k].view(torch.uint8), t.view(torch.uint8)
+        ), k
     doc = json.loads((tmp_path / "again" / "model.fp8_scales.json").read_text())
     assert doc["scheme"] == "mixed-precision" and list(doc["layers"]) == ["model.layers.1.mlp.down_proj"]
     back = mixprec.load_quantized(tmp_path / "again")

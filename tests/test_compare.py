@@ -419,7 +419,9 @@ def test_fp4_recipes_have_their_own_margin_and_underflow_limit():
     assert lost.verdict == "worse" and "underflow up to 60.0% of grad_output (l, step 5)" in lost.reasons
     clipped = _judged(0.0, _precision_row(fp4, "input", 0.02, 0.0), recipe=fp4).recipes[fp4]
     assert clipped.verdict == "worse"
-    stricter = _judged(0.0, _precision_row(fp4, "input", 0.0, 0.29), recipe=fp4, thresholds={"underflow_fp4": 0.2})
+    stricter = _judged(
+        0.0, _precision_row(fp4, "input", 0.0, 0.29), recipe=fp4, thresholds={"underflow_fp4": 0.2}
+    )
     assert stricter.recipes[fp4].verdict == "worse"
 
 

@@ -242,7 +242,9 @@ def test_moe_experts_with_an_intermediate_size_vllm_refuses_stay_whole_in_both_l
 
 
 @pytest.mark.parametrize(("hidden", "refused"), [(320, True), (256, False)])
-def test_transformers_dequantizing_hf_fp8_reader_agrees_with_the_rule(tmp_path, capfd, caplog, hidden, refused):
+def test_transformers_dequantizing_hf_fp8_reader_agrees_with_the_rule(
+    tmp_path, capfd, caplog, hidden, refused
+):
     """transformers 5.24 reads hf-fp8 on a CPU by dequantizing, deriving the block from the scale grid:
     hidden 320 has a grid of 3 blocks that does not divide it; 256 has 2 that do. The rule predicts
     what the real loader does."""
@@ -252,10 +254,14 @@ def test_transformers_dequantizing_hf_fp8_reader_agrees_with_the_rule(tmp_path, 
     model.save_pretrained(tmp_path / "model")
     for dims in ((hidden, hidden), (2 * hidden, hidden), (hidden, 2 * hidden)):
         why = transformers_dequantize_reason("hf-fp8", BLOCK.weight_block, *dims)
-        assert (why is not None) == refused and transformers_dequantize_reason("compressed-tensors", BLOCK.weight_block, *dims) is None
+        assert (why is not None) == refused and transformers_dequantize_reason(
+            "compressed-tensors", BLOCK.weight_block, *dims
+        ) is None
     if refused:
         with pytest.warns(UserWarning, match="not in transformers on a CPU"):
-            quantize_checkpoint(tmp_path / "model", tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False)
+            quantize_checkpoint(
+                tmp_path / "model", tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False
+            )
         with pytest.raises(RuntimeError, match="conversion of the weights"):
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
         captured = capfd.readouterr()
