@@ -262,6 +262,10 @@ def test_transformers_dequantizing_hf_fp8_reader_agrees_with_the_rule(
             quantize_checkpoint(
                 tmp_path / "model", tmp_path / "hf", "fp8-block", format="hf-fp8", progress=False
             )
+        if not transformers.__version__.startswith("5.24."):
+            pytest.skip(
+                f"the rule transcribes transformers 5.24's reader; this is {transformers.__version__}"
+            )
         with pytest.raises(RuntimeError, match="conversion of the weights"):
             transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
         captured = capfd.readouterr()
