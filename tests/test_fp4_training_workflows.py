@@ -116,5 +116,5 @@ def test_compare_judges_fp4_against_bf16_with_the_low_precision_margin():
     assert config.baselines()["fp4-nvfp4"] == "bf16" and config.baselines()["fp4-mxfp4:2d=true"] == "bf16"
     assert config.threshold_for("fp4-nvfp4") == config.thresholds["fp4"] == 0.01
     assert config.threshold_for("fp8-delayed") == config.thresholds["fp8"] == 0.0025
-    assert config.underflow_limit_for("fp4-mxfp4") == config.thresholds["underflow_fp4"] == 0.5
-    assert config.underflow_limit_for("fp8-delayed") == config.thresholds["underflow"] == 0.05
+    assert config.limits_for("fp4-mxfp4").underflow == config.thresholds["underflow_fp4"] == 0.5
+    assert config.limits_for("fp8-delayed").underflow == config.thresholds["underflow"] == 0.05

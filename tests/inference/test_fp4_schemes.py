@@ -183,3 +183,14 @@ def test_save_quantized_round_trips_block_schemes(tmp_path):
     back = load_quantized(tmp_path / "saved")
     ids = torch.randint(0, 200, (1, 8), generator=torch.Generator().manual_seed(3))
     assert torch.equal(model(ids).logits, back(ids).logits)
+
+
+def test_inspect_names_the_engines_that_read_each_block_scheme(written):
+    """vLLM reads every FP4/MX compressed-tensors scheme (its CPU build then finds no kernel:
+    docs/serving.md); load_quantized reads every scheme mixprec writes."""
+    from mixprec.inference.inspection import inspect_checkpoint
+
+    for name, directory in written.items():
+        engines = inspect_checkpoint(directory)["engines"]
+        assert engines["vllm"]["loads"], (name, engines["vllm"])
+        assert engines["mixprec"]["loads"], (name, engines["mixprec"])

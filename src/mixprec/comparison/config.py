@@ -9,7 +9,7 @@ from pathlib import Path
 from mixprec.errors import MixprecError
 from mixprec.hf import check_model_dir
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.sensitivity import FP4_UNDERFLOW_LIMIT, SATURATION_LIMIT, UNDERFLOW_LIMIT
+from mixprec.sensitivity import FP4_UNDERFLOW_LIMIT, SATURATION_LIMIT, UNDERFLOW_LIMIT, Limits
 from mixprec.verdicts import FP4_MARGIN, FP8_MARGIN, HALF_MARGIN
 
 DEFAULT_RECIPES = ("fp32", "bf16", "fp8-delayed", "fp8-blockwise")
@@ -226,9 +226,14 @@ class CompareConfig:
         kind = from_name(recipe).kind
         return self.thresholds[kind if kind in QUANTIZED_KINDS else "bf16"]
 
-    def underflow_limit_for(self, recipe: str) -> float:
-        """FP4 recipes zero a large share of small values by design (mixprec.sensitivity.limits)."""
-        return self.thresholds["underflow_fp4" if from_name(recipe).kind == "fp4" else "underflow"]
+    def limits_for(self, recipe: str) -> Limits:
+        """The precision limits `recipe` is held to: the thresholds as mixprec.sensitivity.Limits, FP4's
+        own underflow limit for FP4 recipes (Limits.for_kind)."""
+        limits = Limits(
+            saturation=self.thresholds["saturation"], underflow=self.thresholds["underflow"],
+            fp4_underflow=self.thresholds["underflow_fp4"],
+        )  # fmt: skip
+        return limits.for_kind(from_name(recipe).kind)
 
 
 def null_run_name(baseline: str, k: int) -> str:

@@ -43,7 +43,7 @@ from mixprec.models import ReferenceModelConfig, build_reference_model
 from mixprec.pages import write_html_report
 from mixprec.progress import ProgressBars
 from mixprec.recipes import from_name
-from mixprec.sensitivity import Limits, automatic_policy, is_quantizing, policy_section, profile_model
+from mixprec.sensitivity import automatic_policy, is_quantizing, policy_section, profile_model
 
 
 def run_specs(config: CompareConfig) -> list[RunSpec]:
@@ -256,11 +256,8 @@ def with_automatic_policies(
         return specs
     batches = [train_batch(data, config.batch_size, step, config.seed) for step in range(AUTO_POLICY_PASSES)]
     profile = profile_model(base_model, batches, recipes=recipes, device=config.device)
-    limits = Limits(
-        saturation=config.thresholds["saturation"], underflow=config.thresholds["underflow"],
-        fp4_underflow=config.thresholds["underflow_fp4"],
-    )  # fmt: skip
-    policies = {r: automatic_policy(profile, r, limits) for r in recipes}
+    # each recipe held to its kind's limits (CompareConfig.limits_for, Limits.for_kind)
+    policies = {r: automatic_policy(profile, r, config.limits_for(r)) for r in recipes}
     model_info["automatic_policy"] = {
         "passes": profile.passes,
         "seconds": profile.seconds,

@@ -496,11 +496,8 @@ def _verdict(s: RecipeSummary, config: CompareConfig) -> tuple[str, list[str]]:
 def _precision_evidence(s: RecipeSummary, config: CompareConfig) -> list[str]:
     """The run's saturation / underflow peaks above the limits of config.thresholds: evidence of a
     precision problem that a loss gap within the margin cannot give."""
-    limits = {
-        "saturation": config.thresholds["saturation"],
-        "underflow": config.underflow_limit_for(s.recipe),
-    }
-    return _peaks_above(s, limits)
+    limits = config.limits_for(s.recipe)
+    return _peaks_above(s, {"saturation": limits.saturation, "underflow": limits.underflow})
 
 
 # a failing recipe's reasons name any saturation or underflow above this, to say why it failed

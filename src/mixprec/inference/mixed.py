@@ -39,6 +39,18 @@ def mixed_assignment(scheme: object) -> dict[str, InferenceScheme] | None:
     return out
 
 
+def check_groups_whole(schemes: Mapping[str, InferenceScheme], subject: str) -> None:
+    """MixprecError when a fused group (q/k/v, gate/up, one block's experts) of {Linear: scheme} is split
+    across schemes: serving engines run its members as one GEMM."""
+    for group, members in fused_groups(schemes).items():
+        split = {m: schemes[m].name for m in members}
+        if len(set(split.values())) > 1:
+            raise MixprecError(
+                f"{subject} splits fused group {group} across schemes ({split}): serving engines run its "
+                "members as one GEMM, so they take one scheme"
+            )
+
+
 def apply_assignment(
     assignment: dict[str, InferenceScheme],
     linears: Mapping[str, tuple[int, int]],
@@ -54,13 +66,7 @@ def apply_assignment(
         raise MixprecError(
             f"the mixed-precision assignment names {unknown[0]!r}, which is no Linear of the checkpoint"
         )
-    for group, members in fused_groups(assignment).items():
-        split = {m: assignment[m].name for m in members}
-        if len(set(split.values())) > 1:
-            raise MixprecError(
-                f"the mixed-precision assignment splits fused group {group} across schemes ({split}): serving "
-                "engines run its members as one GEMM, so they take one scheme"
-            )
+    check_groups_whole(assignment, "the mixed-precision assignment")
     for name in [n for n in targets if n not in assignment]:
         del targets[name]
         skipped[name] = KEPT_BY_ASSIGNMENT
@@ -80,4 +86,11 @@ def apply_assignment(
     return {n: assignment[n] for n in targets}
 
 
-__all__ = ["KEPT_BY_ASSIGNMENT", "MIXED", "PLAIN", "apply_assignment", "mixed_assignment"]
+__all__ = [
+    "KEPT_BY_ASSIGNMENT",
+    "MIXED",
+    "PLAIN",
+    "apply_assignment",
+    "check_groups_whole",
+    "mixed_assignment",
+]

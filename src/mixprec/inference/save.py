@@ -23,11 +23,10 @@ from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
 from mixprec.inference import layouts
 from mixprec.inference.experts import UnfusedExperts
 from mixprec.inference.linear import BlockQuantizedLinear, QuantizedLinear
-from mixprec.inference.mixed import MIXED
+from mixprec.inference.mixed import MIXED, check_groups_whole
 from mixprec.inference.safetensors_io import PlannedShardWriter, PlannedTensor, plan_shards, write_index
 from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
-from mixprec.select import fused_groups
 
 DEFAULT_MAX_SHARD_SIZE = 2 << 30
 
@@ -60,13 +59,7 @@ def _check_mixed(schemes: dict[str, InferenceScheme], format: str) -> None:
             f"the model's Linears are in several schemes ({', '.join(names)}): a mixed-precision checkpoint is "
             f"written in the compressed-tensors layout only, not {format}"
         )
-    for group, members in fused_groups(schemes).items():
-        split = {m: schemes[m].name for m in members}
-        if len(set(split.values())) > 1:
-            raise MixprecError(
-                f"fused group {group} is split across schemes ({split}): serving engines run its members "
-                "as one GEMM, so they take one scheme"
-            )
+    check_groups_whole(schemes, "the model")
 
 
 def _output_dtype_name(model: nn.Module) -> str | None:
