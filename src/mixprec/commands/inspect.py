@@ -76,5 +76,6 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"      ... and {len(c['items']) - 10} more (--json lists all)")
     for engine, e in doc["engines"].items():
         said = "loads it" if e["loads"] else "does not load it: " + "; ".join(e["reasons"])
-        console.print(f"{engine}: {escape(said)}")
+        # the reader, not the kernels: whether this device has kernels for the scheme is the note's
+        console.print(f"{engine}: {escape(said)} ({escape(e['note'])})")
     return failed

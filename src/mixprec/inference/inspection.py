@@ -441,7 +441,8 @@ def _engines(
     mp += [f"check failed: {b}" for b in broken]
     notes = {
         "vllm": "compressed-tensors and ModelOpt checkpoints through vLLM's readers of those names; kernels also "
-        "depend on the GPU (FP8 needs compute capability 8.9+, NVFP4 10.0+ natively)",
+        "depend on the device (FP8 needs compute capability 8.9+, NVFP4 10.0+ natively; vLLM 0.32's CPU build "
+        "without AMX serves fp8-dynamic only: docs/serving.md)",
         "transformers": "compressed-tensors checkpoints need the compressed-tensors package",
         "mixprec": "mixprec.load_quantized",
     }
