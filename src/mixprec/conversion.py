@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 
-SCHEMA_VERSION = 2  # 2: inference reports carry `calibration`
+SCHEMA_VERSION = 3  # 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
 
 
 @dataclass

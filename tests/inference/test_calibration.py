@@ -1,5 +1,6 @@
 """Calibration: the observers clip where they say they do, calibration stops when the stop rule says
-(amax settled over the window, after the minimum tokens; the cap otherwise) and says so, and
+(what the window's inputs carried above the amax held before them is a small enough share of their
+energy, after the minimum tokens; the cap otherwise) and says so, and
 calibration text loads from each accepted source (a folder of .txt, a .jsonl with 'text', a
 well-known name with a local copy)."""
 
@@ -160,20 +161,53 @@ def test_stops_once_settled_after_the_minimum_tokens():
     run = result.run
     # a float input [rows, features] is `rows` tokens (and samples)
     assert (run.stopped, run.batches, run.tokens, run.samples, run.samples_available) == ("converged", 10, 40, 40, 200)  # fmt: skip
-    assert run.max_change == 0.0 and run.max_change_by_batch == [
-        None,
-        None,
-        None,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-    ]
+    assert run.max_change == 0.0 and run.max_change_by_batch == [None] * 3 + [0.0] * 7
+    # nothing above the amax held before any batch from batch 2 on: the window of 3 holds batch 1's
+    # growth (from 0, the whole energy) until batch 4
+    assert run.clipped == 0.0 and run.clipped_by_batch == [None] * 3 + [0.0] * 7
     assert "converged" in run.reason and "40 tokens" in run.reason
     assert run.rule == {"tolerance": 0.01, "window": 3, "min_tokens": 40}
+
+
+def test_cap_when_it_never_settles_or_tolerance_is_zero():
+    growing = [torch.full((4, 16), float(i + 1)) for i in range(6)]
+    run = calibrate(_layer(), growing, ["0"], stop=StopRule(0.01, 2, 0)).run
+    assert (run.stopped, run.batches, run.samples) == ("cap", 6, 24)
+    # every value of batches 5 and 6 lies 1.0 above the amax before it: 2 * 64 of 64 * (25 + 36) energy
+    assert run.clipped == pytest.approx(2 / 61, rel=1e-3) and "cap" in run.reason
+    assert run.max_change == pytest.approx(2 / 6)
+    run = calibrate(_layer(), _settling_batches(7), ["0"], stop=NEVER_STOP_EARLY).run
+    assert (run.stopped, run.batches) == ("cap", 7)
+
+
+def test_clipped_share_is_the_energy_above_the_amax_held_before_each_batch():
+    a = torch.zeros(2, 16)
+    a[0, 0] = 2.0
+    b = torch.full((2, 16), 0.5)
+    b[1, 5] = 3.0  # 1.0 above the amax held before this batch
+    run = calibrate(_layer(), [a, b], ["0"], stop=StopRule(0.5, 1, 0)).run
+    energy_b = 31 * 0.25 + 9.0
+    assert run.clipped_by_batch == [None, pytest.approx(1.0 / energy_b, rel=1e-3)]
+    # a percentile amax clips by design: only what the earlier amax clipped beyond the current one counts
+    obs = PercentileObserver(percentile=50.0)
+    obs.observe(torch.tensor([1.0, 3.0]))  # amax 2.0 (the median), from 0: everything above 0 and 2.0
+    assert obs.take_energies() == (pytest.approx(1.0 + 9.0 - 1.0), pytest.approx(10.0))
+    obs.observe(torch.tensor([1.0, 3.0]))  # amax stays 2.0: stopping earlier would have clipped nothing more
+    assert obs.take_energies() == (0.0, pytest.approx(10.0))
+
+
+def test_a_growing_maximum_stops_once_what_it_would_clip_is_negligible():
+    # the largest |x| grows 5 % every batch (a sample maximum on heavy tails does that for long), but
+    # the growth is one value among 4096: the amax change never falls below 2 %, the clipped share does
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(20):
+        x = torch.randn(256, 16, generator=g).clamp(-4, 4)
+        x[0, 0] = 10.0 * 1.05**i
+        batches.append(x)
+    run = calibrate(_layer(), batches, ["0"], stop=StopRule(1e-4, 4, 256 * 8)).run
+    assert run.stopped == "converged" and run.batches == 8
+    assert run.max_change > 0.15 and run.clipped < 1e-4
 
 
 def test_minimum_tokens_is_what_catches_a_late_outlier():
@@ -182,17 +216,8 @@ def test_minimum_tokens_is_what_catches_a_late_outlier():
     assert early.run.batches == 4 and early.input_amax["0"] == 1.0  # stopped before the outlier
     late = calibrate(_layer(), batches, ["0"], stop=StopRule(0.01, 3, 64))
     assert late.input_amax["0"] == 3.0
-    # the outlier moved the amax: the window must pass it again before stopping (batch 12 + 3 + 1)
+    # the outlier (batch 13) carried (3 - 1)^2 above the amax before it: the window of 3 must pass it
     assert late.run.stopped == "converged" and late.run.batches == 16
-
-
-def test_cap_when_it_never_settles_or_tolerance_is_zero():
-    growing = [torch.full((4, 16), float(i + 1)) for i in range(6)]
-    run = calibrate(_layer(), growing, ["0"], stop=StopRule(0.01, 2, 0)).run
-    assert (run.stopped, run.batches, run.samples) == ("cap", 6, 24)
-    assert run.max_change == pytest.approx(2 / 6) and "cap" in run.reason
-    run = calibrate(_layer(), _settling_batches(7), ["0"], stop=NEVER_STOP_EARLY).run
-    assert (run.stopped, run.batches) == ("cap", 7)
 
 
 def test_an_observer_that_saw_nothing_has_not_settled():
@@ -208,6 +233,7 @@ def test_an_observer_that_saw_nothing_has_not_settled():
 @pytest.mark.parametrize(
     "kwargs, flag",
     [({"tolerance": -0.1}, "--calib-tolerance"), ({"tolerance": float("nan")}, "--calib-tolerance"),
+     ({"tolerance": 1.0}, "--calib-tolerance"),
      ({"window": 0}, "--calib-window"), ({"min_tokens": -1}, "--calib-min-tokens")],
 )  # fmt: skip
 def test_bad_stop_rule_is_refused(kwargs, flag):
@@ -230,13 +256,13 @@ def test_report_and_scales_file_say_how_much_ran_and_why_it_stopped(llama_dir, c
     report = quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-static", calib_data=calib_file, calib_samples=40,
                                  calib_seq_len=16, calib_stop=StopRule(0.05, 2, 256), progress=False)  # fmt: skip
     cal = report.to_dict()["calibration"]
-    assert report.to_dict()["schema_version"] == 2
+    assert report.to_dict()["schema_version"] == 3
     assert cal["stopped"] in ("converged", "cap") and cal["samples_available"] == 40
-    assert cal["tokens"] == cal["samples"] * 16 and cal["batches"] == len(cal["max_change_by_batch"])
+    assert cal["tokens"] == cal["samples"] * 16 and cal["batches"] == len(cal["clipped_by_batch"])
     if cal["stopped"] == "converged":
-        assert cal["tokens"] >= 256 and cal["max_change"] <= 0.05 and cal["samples"] < 40
+        assert cal["tokens"] >= 256 and cal["clipped"] <= 0.05 and cal["samples"] < 40
     doc = json.loads((tmp_path / "q" / "model.fp8_scales.json").read_text())
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     assert {k: doc["calibration"][k] for k in cal} == cal
 
 

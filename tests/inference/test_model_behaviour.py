@@ -170,7 +170,7 @@ def test_save_quantized_writes_what_quantize_wrote(static_dir, tmp_path):
     )
     doc = json.loads((tmp_path / "again" / "model.fp8_scales.json").read_text())
     before = json.loads((static_dir / "model.fp8_scales.json").read_text())
-    assert doc["schema_version"] == 2 and doc["layers"].keys() == before["layers"].keys()
+    assert doc["schema_version"] == 3 and doc["layers"].keys() == before["layers"].keys()
     for name, e in before["layers"].items():
         assert doc["layers"][name]["weight"]["scale"] == e["weight"]["scale"]
         assert doc["layers"][name]["input"]["scale"] == e["input"]["scale"]

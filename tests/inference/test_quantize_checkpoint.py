@@ -80,7 +80,7 @@ def test_scales_file_matches_tensors(quantized):
     for scheme in SCHEMES:
         _, out = quantized[scheme]
         doc = read_scales_file(out / "model.fp8_scales.json")
-        assert doc["schema_version"] == 2 and doc["scheme"] == scheme
+        assert doc["schema_version"] == 3 and doc["scheme"] == scheme
         tensors = read_tensors(out)
         assert len(doc["layers"]) == 14
         for name, entry in doc["layers"].items():

@@ -89,13 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"settle); --scheme auto scores on this many (default {AUTO_CALIB_SAMPLES})",
     )  # fmt: skip
     parser.add_argument(
-        "--calib-tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="REL",
-        help=f"stop once no input amax changed by more than REL over the last --calib-window batches "
-        f"(default {DEFAULT_TOLERANCE}; 0: run every --calib-samples)",
+        "--calib-tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="SHARE",
+        help=f"stop once, over the last --calib-window batches, no Linear input carried more than SHARE of its "
+        f"energy above the amax held before each batch (what stopping earlier would have clipped; default "
+        f"{DEFAULT_TOLERANCE:g}; 0: run every --calib-samples)",
     )  # fmt: skip
     parser.add_argument(
         "--calib-window", type=int, default=DEFAULT_WINDOW, metavar="BATCHES",
-        help=f"batches (of 4 sequences) the change is measured over (default {DEFAULT_WINDOW})",
+        help=f"batches (of 4 sequences) the clipped share is measured over (default {DEFAULT_WINDOW})",
     )  # fmt: skip
     parser.add_argument(
         "--calib-min-tokens", type=int, default=DEFAULT_MIN_TOKENS, metavar="N",

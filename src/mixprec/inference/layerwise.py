@@ -143,7 +143,7 @@ def calibrate_layerwise(
     run = CalibrationRun(
         samples=samples, tokens=tokens, batches=len(batches), samples_available=samples, stopped="cap",
         reason=f"cap: layer-by-layer calibration runs every available sample ({samples}); it does not stop early",
-        max_change=None, seconds=round(time.perf_counter() - started, 3),
+        clipped=None, max_change=None, seconds=round(time.perf_counter() - started, 3),
     )  # fmt: skip
     return CalibrationResult(amax, kv, run), model
 

@@ -138,7 +138,8 @@ def quantize_checkpoint(
     MixprecError instead, before anything is read or written.
 
     calib_stop (calibration only): when calibration may stop before `calib_samples` (the cap) have run
-    (default StopRule(): no input amax moved by more than 2 % over the last 4 batches, after 16384 tokens);
+    (default StopRule(): over the last 4 batches no Linear input carried more than 1e-5 of its energy above
+    the amax held before each batch, after 16384 tokens);
     the report's and scales file's `calibration` say how many samples ran and why it stopped.
 
     layer_by_layer (calibration only): run the model one transformer block at a time (True), the

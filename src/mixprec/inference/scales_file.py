@@ -25,7 +25,10 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
 
-SCHEMA_VERSION = 2  # 2: calibration records samples used and why it stopped; relative_error may be null
+SCHEMA_VERSION = (
+    3  # 3: the stop rule watches the clipped share (clipped, clipped_by_batch); 2: calibration records
+)
+# samples used and why it stopped; relative_error may be null
 SCALES_NAMES = ("model.fp8_scales.json", "fp8_scales.json")
 
 
