@@ -11,9 +11,10 @@ RUN_DIR holds the checkpoints and their evaluations, all against the same refere
     ev-<name>.json            `mixprec evaluate --reference REF --candidate <name> --json ev-<name>.json`
 
 Every figure is the evaluation's own (perplexity change against the reference with its 95 % paired
-bootstrap interval). Each automatic checkpoint is also compared with every other checkpoint of no larger
-size on the same blocks: the relative perplexity difference, exp(mean NLL_auto) / exp(mean NLL_other) - 1
-(mean over the scored tokens), with a paired bootstrap interval over the blocks (mixprec.verdicts).
+bootstrap interval). Each automatic checkpoint is also compared with every other checkpoint no larger
+than its budget on the same blocks: the relative perplexity difference, exp(mean NLL_auto) /
+exp(mean NLL_other) - 1 (mean over the scored tokens), and the difference of the mean next-token KL
+from the reference, each with a paired bootstrap interval over the blocks (mixprec.verdicts).
 Sizes are bits per weight of the scored Linears, scales counted (InferenceScheme.stored_bits), read
 from the checkpoints' tensors.
 """
@@ -42,6 +43,7 @@ def _evaluation(path: Path) -> dict:
         "nll": torch.tensor(per["lm.block_candidate_nll"], dtype=torch.float64),
         "ref_nll": torch.tensor(per["lm.block_reference_nll"], dtype=torch.float64),
         "tokens": torch.tensor(per["lm.block_tokens"], dtype=torch.float64),
+        "block_kl": torch.tensor(per["lm.block_kl"], dtype=torch.float64),
     }
 
 
@@ -79,6 +81,19 @@ def _relative(a: dict, b: dict):
     return paired_bootstrap(stat, a["nll"], b["nll"], a["tokens"])
 
 
+def _kl_difference(a: dict, b: dict):
+    """mean KL a - mean KL b (nats per token, against the same reference) over the same blocks, paired."""
+
+    def stat(ka, kb, tok):
+        return (ka.sum(-1) - kb.sum(-1)) / tok.sum(-1)
+
+    return paired_bootstrap(stat, a["block_kl"], b["block_kl"], a["tokens"])
+
+
+def _verdict(iv) -> str:
+    return "yes" if iv.high < 0 else ("no" if iv.low > 0 else "not distinguishable")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, type=Path)
@@ -96,6 +111,7 @@ def main() -> None:
             chosen = json.loads(report.read_text())["chosen"]
             row["predicted"] = chosen["predicted_score"]
             row["schemes"] = chosen["schemes"]
+            row["budget"] = json.loads(report.read_text())["budget"].get("bits") or row["bits"]
         rows[name] = row
     refs = {round(r["ppl_ref"], 9) for r in rows.values()}
     if len(refs) != 1:
@@ -114,20 +130,22 @@ def main() -> None:
         print(f"| {name} | {r['bits']:.3f} | {r['ppl']:.3f} | {c['estimate'] * 100:+.2f} % [{c['low'] * 100:+.2f} %, "
               f"{c['high'] * 100:+.2f} %] | {r['kl']:.4f} | {pred} | {schemes} |")  # fmt: skip
     print(
-        "\nEach automatic checkpoint against every checkpoint of no larger size (+ 0.01 bits) that is not automatic:\n"
+        "\nEach automatic checkpoint against every checkpoint that is not automatic and no larger than its budget "
+        "(+ 0.01 bits; the heuristics' sizes were the budgets), paired on the same blocks:\n"
     )
-    print("| automatic | other | bits (auto / other) | perplexity difference [95 % interval] | lower |")
-    print("|---|---|---|---|---|")
+    print("| automatic | other | bits (auto / other) | perplexity difference [95 % interval] | lower "
+          "| KL mean difference (nats) [95 %] | lower KL |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for name, r in sorted(rows.items(), key=lambda kv: kv[1]["bits"]):
         if "predicted" not in r:
             continue
         for other, o in sorted(rows.items(), key=lambda kv: kv[1]["bits"]):
-            if "predicted" in o or o["bits"] > r["bits"] + 0.01:
+            if "predicted" in o or o["bits"] > r["budget"] + 0.01:
                 continue
-            iv = _relative(r, o)
-            lower = "yes" if iv.high < 0 else ("no" if iv.low > 0 else "not distinguishable")
+            iv, kl = _relative(r, o), _kl_difference(r, o)
             print(f"| {name} | {other} | {r['bits']:.3f} / {o['bits']:.3f} | {iv.estimate * 100:+.2f} % "
-                  f"[{iv.low * 100:+.2f} %, {iv.high * 100:+.2f} %] | {lower} |")  # fmt: skip
+                  f"[{iv.low * 100:+.2f} %, {iv.high * 100:+.2f} %] | {_verdict(iv)} | {kl.estimate:+.5f} "
+                  f"[{kl.low:+.5f}, {kl.high:+.5f}] | {_verdict(kl)} |")  # fmt: skip
     if args.out:
         import matplotlib
 
@@ -173,6 +191,8 @@ def main() -> None:
         right.set_xlabel("predicted score (sum of gradient-weighted output errors)")
         right.set_ylabel("measured log(perplexity ratio)")
         right.set_title("--scheme auto: predicted vs measured")
+        # scores are small: one exponent beside the axis instead of long, overlapping tick labels
+        right.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         fig.tight_layout()
         fig.savefig(args.out, dpi=110)
 
