@@ -302,3 +302,27 @@ def test_bf16_calibration_forward_computes_gemms_in_fp32_where_bf16_is_slow(monk
         hidden = torch.relu((x.float() @ w1.float().T + b1.float()).to(torch.bfloat16))
     assert result.input_amax["0"] == float(x.abs().max())
     assert result.input_amax["2"] == float(hidden.abs().max())
+
+
+def test_observing_keys_and_values_keeps_the_attention_mask():
+    # transformers builds no attention mask for an implementation name it does not know: the routed
+    # attention gets the inner implementation's mask function, so a padded batch stays padded
+    transformers = pytest.importorskip("transformers")
+    from mixprec.inference.calibration import kv_attention_patch
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        observers = {}
+        undo = kv_attention_patch(model, observers)
+        try:
+            routed = model(input_ids=ids, attention_mask=mask).logits
+        finally:
+            undo()
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(routed, before) and torch.equal(after, before) and set(observers) == {0}

@@ -329,6 +329,10 @@ def test_mixprecs_static_checkpoint_with_kv_scales_to_modelopt_and_back(llama_di
     ids = torch.randint(0, 100, (1, 12))
     with torch.no_grad():
         assert torch.equal(load_quantized(mo)(ids).logits, load_quantized(ct)(ids).logits)
+    # the KV scales land on the attention module whichever layout names them (save_quantized reads them there)
+    attn = load_quantized(mo).model.layers[0].self_attn
+    assert float(attn.k_scale) == float(tensors["model.layers.0.self_attn.k_proj.k_scale"])
+    assert not hasattr(attn.k_proj, "k_scale")
 
 
 def test_mixprec_loads_modelopt_nvfp4_layers():

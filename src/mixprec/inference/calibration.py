@@ -39,6 +39,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.inference.attention import route_attention
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 from mixprec.quantization import fake_quantize
 from mixprec.scaling import Granularity, compute_scale
@@ -260,37 +261,19 @@ def make_observer(name: str) -> Observer:
 def kv_attention_patch(model: nn.Module, kv_observers: dict[int, tuple[Observer, Observer]]):
     """Route attention through a wrapper that observes key/value states as the attention sees them
     (after RoPE): what an FP8 KV cache stores. Returns an undo function, or None if unsupported."""
-    try:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    except ImportError:
-        return None
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    if config is None or impl is None:
-        return None
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
-    if inner is None:
-        return None
 
-    def observed(module, query, key, value, *args, **kwargs):
-        idx = getattr(module, "layer_idx", None)
-        if idx is not None:
-            ko, vo = kv_observers.setdefault(idx, (MaxObserver(), MaxObserver()))
-            ko.observe(key)
-            vo.observe(value)
-        return inner(module, query, key, value, *args, **kwargs)
+    def wrap(inner):
+        def observed(module, query, key, value, *args, **kwargs):
+            idx = getattr(module, "layer_idx", None)
+            if idx is not None:
+                ko, vo = kv_observers.setdefault(idx, (MaxObserver(), MaxObserver()))
+                ko.observe(key)
+                vo.observe(value)
+            return inner(module, query, key, value, *args, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS.register("mixprec_kv_calibration", observed)
-    configs = [m.config for m in model.modules() if getattr(m, "config", None) is not None]
-    previous = [(c, c._attn_implementation) for c in {id(c): c for c in configs}.values()]
-    for c, _ in previous:
-        c._attn_implementation = "mixprec_kv_calibration"
+        return observed
 
-    def undo() -> None:
-        for c, v in previous:
-            c._attn_implementation = v
-
-    return undo
+    return route_attention(model, "mixprec_kv_calibration", wrap)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from mixprec.hf import build_model, config_dtype, read_config
 from mixprec.inference.experts import unfuse_skeleton
 from mixprec.inference.fp4_layout import read_layer
 from mixprec.inference.fp4_offline import compact_entry
+from mixprec.inference.layout_tables import attention_of_kv_scale
 from mixprec.inference.layouts import (
     LayoutSpec,
     ModuleLayout,
@@ -273,9 +274,12 @@ def load_quantized(
         report.add_fp8(name, "Linear", w.numel(), entry, "QuantizedLinear")
 
     tensors = {renamed.get(k, k): t for k, t in tensors.items()}
-    # KV-cache scales: kept as buffers on their attention modules (used by FP8 KV-cache engines)
-    for name in [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]:
-        owner, _, attr = name.rpartition(".")
+    # KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache (mixprec's
+    # forward does not round keys and values: docs/serving.md measured why not yet)
+    kv_scales = [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]
+    for name in kv_scales:
+        # on the attention module in every layout (ModelOpt stores them under k_proj / v_proj)
+        owner, attr = attention_of_kv_scale(name), name.rpartition(".")[2]
         try:
             model.get_submodule(owner).register_buffer(attr, tensors.pop(name).float())
         except AttributeError:
