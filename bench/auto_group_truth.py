@@ -9,10 +9,11 @@ written by `mixprec quantize --scheme auto`), the model runs with that one group
 inference layers the checkpoint would hold: sensitivity.scores.candidate_layers) on BLOCKS windows of
 128 tokens of HELDOUT: the change of the mean next-token NLL against the unquantized model, with a 95 %
 normal interval over the blocks, and the mean KL from it. Then, for each budget, four choices of one
-scheme per group: the heuristic of the same size (first/last blocks in fp8-dynamic, the rest in
-nvfp4a16), the automatic choice from the scores, and the exact choices that minimise the measured
-held-out KL and the measured held-out NLL change (negative changes counted as 0): the summed per-group
-figures of each and, run together, the measured NLL change and KL of the whole configuration.
+scheme per group: the heuristic of the same size (bench/auto_heuristic.py's: first/last blocks in
+--high, the rest in --low), the automatic choice from the scores, and the exact choices that minimise
+the measured held-out KL and the measured held-out NLL change (negative changes counted as 0): the
+summed per-group figures of each and, run together, the measured NLL change and KL of the whole
+configuration.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import torch
 from transformers import AutoModelForCausalLM
 
+from auto_heuristic import heuristic  # the same heuristic bench/auto_heuristic.py writes
 from mixprec.hf import load_tokenizer
 from mixprec.inference.calibration import load_texts, token_batches
 from mixprec.sensitivity.allocation import allocate
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=400)
     ap.add_argument("--budgets", type=float, nargs="+", required=True)
     ap.add_argument("--heuristics", nargs="+", required=True, help="K_FIRST+K_LAST per budget, e.g. 1+1")
+    ap.add_argument("--high", default="fp8-dynamic", help="the heuristic's scheme for the first/last blocks")
+    ap.add_argument("--low", default="nvfp4a16", help="the heuristic's scheme for the other blocks")
     ap.add_argument("--json")
     args = ap.parse_args()
     if len(args.budgets) != len(args.heuristics):
@@ -99,15 +103,12 @@ def main() -> None:
         return out
 
     by_kl, by_nll = measured_as_scores("kl"), measured_as_scores("dnll")
-    n_blocks = 1 + max(int(g.split(".")[2]) for g in groups)
     results = []
     for budget, heur in zip(args.budgets, args.heuristics):
         first, last = (int(k) for k in heur.split("+"))
-        high = set(range(first)) | set(range(n_blocks - last, n_blocks))
+        per_linear, _ = heuristic(args.model, first, last, args.high, args.low)
         choices = {
-            f"heuristic {heur}": {
-                g: candidates[0] if int(g.split(".")[2]) in high else candidates[-1] for g in groups
-            },
+            f"heuristic {heur}": {g: per_linear[members[0]] for g, members in groups.items()},
             "auto (scores)": allocate(scores, budget).groups,
             "least measured KL": allocate(by_kl, budget).groups,
             "least measured dNLL": allocate(by_nll, budget).groups,

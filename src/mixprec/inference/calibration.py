@@ -152,7 +152,7 @@ class Observer:
         after = self.tracked()
         # an amax that did not grow clips nothing this one does not (a max observer: most batches)
         if after > before:
-            a = torch.nan_to_num(x.float().abs(), nan=0.0, posinf=0.0)
+            a = x.float().abs()  # finite here: the non-finite case was replaced above
             self.clipped_energy += max(0.0, _excess(a, before) - _excess(a, after))
 
     def take_energies(self) -> tuple[float, float]:
@@ -345,17 +345,11 @@ def _finite_or_none(v: float | None, digits: int) -> float | None:
 class _Convergence:
     """The stop rule applied to a stream of per-batch observer readings."""
 
-    def __init__(
-        self,
-        rule: StopRule,
-        tracked: Callable[[], list[float]],
-        energies: Callable[[], list[tuple[float, float]]],
-    ):
-        self.rule, self.tracked, self.energies = rule, tracked, energies
+    def __init__(self, rule: StopRule, observers: Callable[[], list[Observer]]):
+        self.rule, self.observers = rule, observers
         self.amax: deque[torch.Tensor] = deque(maxlen=rule.window + 1)
-        self.clips: deque[torch.Tensor] = deque(
-            maxlen=rule.window
-        )  # per batch: [observer, (clipped, energy)]
+        # per batch: [observer, (clipped energy, energy)]
+        self.clips: deque[torch.Tensor] = deque(maxlen=rule.window)
         self.tokens = 0
         self.clipped: float | None = None
         self.max_change: float | None = None
@@ -365,9 +359,12 @@ class _Convergence:
     def after_batch(self, tokens: int) -> bool:
         """Record the batch; True when calibration may stop."""
         self.tokens += tokens
-        now = torch.tensor(self.tracked(), dtype=torch.float64)
+        watched = self.observers()
+        now = torch.tensor([o.tracked() for o in watched], dtype=torch.float64)
         self.amax.append(now)
-        self.clips.append(torch.tensor(self.energies(), dtype=torch.float64).reshape(-1, 2))
+        self.clips.append(
+            torch.tensor([o.take_energies() for o in watched], dtype=torch.float64).reshape(-1, 2)
+        )
         then = self.amax[0]
         same_observers = then.shape == now.shape and all(len(c) == len(now) for c in self.clips)
         # too early, or observers still appearing (e.g. KV states of later layers)
@@ -417,9 +414,7 @@ def _run(
     started = time.perf_counter()
     batches = list(batches) if not isinstance(batches, Sequence) else batches
     available = sum(_batch_tokens(b)[0] for b in batches)
-    conv = _Convergence(
-        rule, lambda: [o.tracked() for o in observers()], lambda: [o.take_energies() for o in observers()]
-    )
+    conv = _Convergence(rule, observers)
     samples = done = 0
     stopped = "cap"
     with torch.no_grad(), gemms_in_fp32(model):

@@ -274,10 +274,10 @@ def load_quantized(
         report.add_fp8(name, "Linear", w.numel(), entry, "QuantizedLinear")
 
     tensors = {renamed.get(k, k): t for k, t in tensors.items()}
-    # KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache (mixprec's
-    # forward does not round keys and values: docs/serving.md measured why not yet)
-    kv_scales = [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]
-    for name in kv_scales:
+    # KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache. mixprec's
+    # forward does not round keys and values: a plain E4M3 round trip did not match vLLM's CPU cache
+    # (docs/serving.md), and nothing is emulated that does not match an engine.
+    for name in [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]:
         # on the attention module in every layout (ModelOpt stores them under k_proj / v_proj)
         owner, attr = attention_of_kv_scale(name), name.rpartition(".")[2]
         try:
