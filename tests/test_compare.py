@@ -20,7 +20,7 @@ from mixprec.comparison.outdir import MARKER
 from mixprec.comparison.runner import compare
 from mixprec.comparison.summary import summarize
 from mixprec.errors import MixprecError
-from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN, student_t_quantile
+from mixprec.verdicts import FP8_MARGIN, HALF_MARGIN, replicate_interval, student_t_quantile
 
 TINY_MODEL = {
     "hidden_size": 64,
@@ -70,7 +70,7 @@ def test_writes_every_artefact_and_nothing_else(tiny):
     assert html.count("data:image/png;base64,") >= 4  # loss curves, gaps, heat maps
     assert "Verdict" in html and "fp8-unscaled" in html and "Null check of fp32" in html
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["schema_version"] == 5 and doc["verdict_loss"] == "train"
+    assert doc["schema_version"] == 6 and doc["verdict_loss"] == "both"
     assert all(r["schema_version"] == 2 for r in _records(out))
     kinds = {r["kind"] for r in _records(out)}
     assert {"step", "eval", "precision"} <= kinds
@@ -117,8 +117,10 @@ def test_summary_agrees_with_metrics(tiny):
     dof = max(1, math.floor((vc + vr) ** 2 / (vc**2 / 2 + vr**2 / 2)))
     half = student_t_quantile(0.975, dof) * math.sqrt(vc + vr)
     estimate = statistics.mean(cands) - statistics.mean(refs)
-    assert fp8["interval"]["estimate"] == pytest.approx(estimate, rel=1e-9, abs=1e-15)
-    assert fp8["interval"]["high"] - fp8["interval"]["low"] == pytest.approx(2 * half, rel=1e-9)
+    assert fp8["intervals"]["train"]["estimate"] == pytest.approx(estimate, rel=1e-9, abs=1e-15)
+    assert fp8["intervals"]["train"]["high"] - fp8["intervals"]["train"]["low"] == pytest.approx(
+        2 * half, rel=1e-9
+    )
     # the underflow peak is the largest underflow row of that run
     rows = [r for r in _records(out) if r["kind"] == "precision" and r["run"] == "fp8-unscaled"]
     top = max((r for r in rows if r["role"] == "grad_output"), key=lambda r: r["underflow"])
@@ -274,9 +276,10 @@ CENTRE = statistics.mean((0.0, *NULLS))
 HALF = T3_975 * statistics.stdev((0.0, *NULLS)) * math.sqrt(1 + 1 / 4)  # 0.110 %
 
 
-def _judged(gap, *extra, nulls=NULLS, early=None, recipe="fp8-current", **settings):
+def _judged(gap, *extra, nulls=NULLS, early=None, recipe="fp8-current", val_gap=None, **settings):
     """Summary of bf16 (baseline) + its null runs + `recipe` at `gap`; `early`: the null offsets over
-    the first half of the run (default: the same as the window's)."""
+    the first half of the run (default: the same as the window's); `val_gap`: the recipe's held-out gap
+    (default: `gap`)."""
     cfg = CompareConfig(recipes=("bf16", recipe), baseline="bf16", steps=20, eval_last=2, **settings)
     early = nulls if early is None else early
 
@@ -286,8 +289,60 @@ def _judged(gap, *extra, nulls=NULLS, early=None, recipe="fp8-current", **settin
     rows = _synthetic("bf16", curve(0, 0), [2.0, 2.0])
     for k, (late, first) in enumerate(zip(nulls, early), start=1):
         rows += _synthetic(f"bf16~null{k}", curve(late, first), [2.0 * (1 + late)] * 2)
-    rows += _synthetic(recipe, curve(gap, gap), [2.0 * (1 + gap)] * 2)
+    rows += _synthetic(recipe, curve(gap, gap), [2.0 * (1 + (gap if val_gap is None else val_gap))] * 2)
     return summarize(rows + list(extra), cfg)
+
+
+def test_both_losses_must_be_equivalent_and_either_can_fail_the_recipe():
+    inside, above, below, straddling = CENTRE, 0.01 + CENTRE, -0.01 + CENTRE, FP8_MARGIN + CENTRE
+    cases = [  # (train gap, held-out gap) -> verdict
+        ((inside, inside), "equivalent"),
+        ((inside, above), "worse"),  # a held-out loss that disagrees is consulted
+        ((above, inside), "worse"),
+        ((inside, below), "different"),
+        ((below, above), "worse"),  # worse wins over different
+        ((inside, straddling), "inconclusive"),
+        ((straddling, below), "different"),
+    ]
+    for (train, val), verdict in cases:
+        r = _judged(train, val_gap=val).recipes["fp8-current"]
+        assert r.verdict == verdict, (train, val, r.loss_verdicts, r.reasons)
+        assert set(r.loss_verdicts) == {"train", "val"} and set(r.intervals) == {"train", "val"}
+    # one loss alone, when asked: the other is reported, not judged
+    only_train = _judged(inside, val_gap=above, verdict_loss="train").recipes["fp8-current"]
+    assert only_train.verdict == "equivalent" and set(only_train.loss_verdicts) == {"train"}
+    assert only_train.val_gap == pytest.approx(above, rel=1e-6)
+    assert _judged(inside, val_gap=above, verdict_loss="val").recipes["fp8-current"].verdict == "worse"
+    with pytest.raises(MixprecError, match="verdict_loss must be one of both, train, val"):
+        CompareConfig(recipes=("bf16", "fp8-current"), verdict_loss="mean").validate()
+
+
+def test_minimum_detectable_effect_from_the_band():
+    """One run judged against n = 4 equally good runs: its interval is estimate ± t3 s sqrt(1 + 1/4); it
+    comes out worse with 80 % probability when the true gap is margin + (t3(0.975) + t3(0.80)) s sqrt(1 + 1/4)."""
+    s = _judged(CENTRE)
+    band = s.bands["bf16"]
+    se = statistics.stdev((0.0, *NULLS)) * math.sqrt(1 + 1 / 4)
+    t3_80 = 0.9784723123633045  # Student's t, 3 degrees of freedom, 0.80 (tabulated)
+    expected = FP8_MARGIN + (T3_975 + t3_80) * se
+    assert band["detectable_train"] == pytest.approx(expected, rel=1e-6)
+    assert band["detectable_val"] == pytest.approx(expected, rel=1e-6) and band["margin"] == FP8_MARGIN
+    r = s.recipes["fp8-current"]
+    assert r.detectable == {
+        "train": pytest.approx(expected, rel=1e-6),
+        "val": pytest.approx(expected, rel=1e-6),
+    }
+    # and by simulation: true gap at the detectable effect, equally good runs scattering with s -> the
+    # interval lies wholly above the margin in ~80 % of comparisons
+    generator = torch.Generator().manual_seed(0)
+    spread = statistics.stdev((0.0, *NULLS))
+    trials, detected = 4000, 0
+    for _ in range(trials):
+        refs = (torch.randn(4, generator=generator, dtype=torch.float64) * spread).tolist()
+        candidate = expected + float(torch.randn(1, generator=generator, dtype=torch.float64)) * spread
+        iv = replicate_interval(candidate, refs)
+        detected += iv.low > FP8_MARGIN
+    assert 0.77 < detected / trials < 0.83
 
 
 def test_verdict_boundaries_on_synthetic_curves():
@@ -296,25 +351,36 @@ def test_verdict_boundaries_on_synthetic_curves():
     for estimate in (-0.99 * edge, 0.0, 0.5 * edge, 0.99 * edge):
         r = _judged(estimate + CENTRE).recipes["fp8-current"]
         assert r.verdict == "equivalent", (estimate, r.reasons)
-        assert r.interval["low"] == pytest.approx(estimate - HALF) and r.interval["high"] == pytest.approx(
-            estimate + HALF
-        )
+        for loss in ("train", "val"):  # the synthetic runs' held-out gaps equal their train gaps
+            iv = r.intervals[loss]
+            assert iv["low"] == pytest.approx(estimate - HALF) and iv["high"] == pytest.approx(
+                estimate + HALF
+            )
         assert r.band_train == pytest.approx(HALF) and r.null_runs_to_settle is None
-    # inconclusive: the interval straddles +margin (either side of it), or lies below -margin in part or
-    # wholly (better than the baseline by more than the margin is not shown equivalent, nor worse)
-    for estimate in (1.01 * edge, margin, margin + 0.99 * HALF, -1.01 * edge, -0.02):
+    # inconclusive: the interval straddles +margin or -margin (either side of it)
+    for estimate in (1.01 * edge, margin, margin + 0.99 * HALF, -1.01 * edge, -margin, -margin - 0.99 * HALF):
         s = _judged(estimate + CENTRE)
         r = s.recipes["fp8-current"]
         assert r.verdict == "inconclusive", (estimate, r.reasons)
         assert s.passed and s.exit_code == 0  # inconclusive does not fail (only --strict makes it)
         assert "not wholly within ±0.25%" in r.reasons[0]
-    assert (
-        "better than its baseline by more than the margin" in _judged(-0.02).recipes["fp8-current"].reasons[0]
-    )
+    # different: the whole interval below -margin — lower than the baseline by more than rounding explains;
+    # it fails the gate like worse, unless improvements are accepted
+    for estimate in (-margin - 1.01 * HALF, -0.02):
+        s = _judged(estimate + CENTRE)
+        r = s.recipes["fp8-current"]
+        assert r.verdict == "different" and r.direction == "lower", (estimate, r.reasons)
+        assert r.loss_verdicts == {"train": "different", "val": "different"}
+        assert not s.passed and s.exit_code == 1 and s.failures() == ["fp8-current"]
+        assert s.gate(accept_better=True) and s.gate(accept_better=True, strict=True)  # strict: inconclusive
+        assert (
+            "wholly below -0.25%" in r.reasons[0] and "something changed more than rounding" in r.reasons[0]
+        )
     # worse: the whole interval above the margin
     for estimate in (margin + 1.01 * HALF, 0.05):
         s = _judged(estimate + CENTRE)
         assert s.recipes["fp8-current"].verdict == "worse" and not s.passed and s.exit_code == 1
+        assert s.recipes["fp8-current"].direction == "higher" and not s.gate(accept_better=True)
         assert "wholly above the 0.25% margin" in s.recipes["fp8-current"].reasons[0]
     # a wider spread of equally good runs turns the same gap from equivalent into inconclusive
     assert _judged(0.001).recipes["fp8-current"].verdict == "equivalent"
@@ -331,10 +397,10 @@ def test_null_runs_to_settle_from_the_spread_of_equally_good_runs():
     assert halves[5] > 0.0009 > halves[6]
     r = _judged(0.0016 + CENTRE).recipes["fp8-current"]
     assert r.verdict == "inconclusive" and r.null_runs_to_settle == 5
-    assert "about 5 null runs would settle it (--null-runs 5)" in r.reasons[0]
+    assert "about 5 null runs would settle it (--null-runs 5)" in r.reasons
     # 0.01 % from the margin: one run of the recipe scatters by more than that on its own
     close = _judged(0.0024 + CENTRE).recipes["fp8-current"]
-    assert close.null_runs_to_settle == -1 and "no number of null runs" in close.reasons[0]
+    assert close.null_runs_to_settle == -1 and any("no number of null runs" in x for x in close.reasons)
 
 
 def test_a_recipe_with_null_runs_of_its_own_brings_its_own_spread():
@@ -353,8 +419,10 @@ def test_a_recipe_with_null_runs_of_its_own_brings_its_own_spread():
     dof = se**4 / ((statistics.variance(cands) / 3) ** 2 / 2 + (statistics.variance(refs) / 4) ** 2 / 3)
     assert 2 <= dof < 3  # Welch-Satterthwaite, rounded down to 2: t = 4.303
     estimate = statistics.mean(cands) - statistics.mean(refs)
-    assert r.interval["estimate"] == pytest.approx(estimate)
-    assert r.interval["high"] - r.interval["low"] == pytest.approx(2 * 4.302652729911275 * se)
+    assert r.intervals["train"]["estimate"] == pytest.approx(estimate)
+    assert r.intervals["train"]["high"] - r.intervals["train"]["low"] == pytest.approx(
+        2 * 4.302652729911275 * se
+    )
 
     # which recipes get null runs: every judged recipe by default; with recipe_null_runs=False every
     # baseline, and every recipe judged against fp32 (whose runs barely scatter, so they cannot stand in
@@ -394,7 +462,8 @@ def test_nan_and_statistics_beyond_their_limits_make_a_recipe_worse_whatever_its
     judged = lost.recipes["fp8-current"]
     assert judged.verdict == "worse" and lost.exit_code == 1
     assert judged.reasons[0].startswith("train loss +0.000% vs bf16") and "within ±0.25%" in judged.reasons[0]
-    assert judged.reasons[1:] == [
+    assert judged.reasons[1].startswith("validation loss +0.000% vs bf16")
+    assert judged.reasons[2:] == [
         "the precision statistics are beyond their limits",
         "underflow up to 100.0% of grad_output (l, step 5)",
     ]
@@ -428,7 +497,7 @@ def test_fp4_recipes_have_their_own_margin_and_underflow_limit():
 def test_without_null_runs_the_interval_is_the_bootstrap_alone_and_the_check_is_absent():
     s = _judged(0.001, nulls=())
     r = s.recipes["fp8-current"]
-    assert r.band_train is None and r.interval["low"] == pytest.approx(0.001)
+    assert r.band_train is None and r.intervals["train"]["low"] == pytest.approx(0.001)
     assert r.verdict == "equivalent" and "no null runs" in r.reasons[0]
     assert s.bands == {}
     check = _judged(0.0).bands["bf16"]["null_check"]
@@ -437,8 +506,10 @@ def test_without_null_runs_the_interval_is_the_bootstrap_alone_and_the_check_is_
     others = (0.0, -0.0004, 0.0003)
     half = 4.302652729911275 * statistics.stdev(others) * math.sqrt(1 + 1 / 3)
     assert check["verdict"] == "equivalent" and check["against"] == ["bf16", "bf16~null2", "bf16~null3"]
-    assert check["interval"]["estimate"] == pytest.approx(0.0002 - statistics.mean(others))
-    assert check["interval"]["high"] - check["interval"]["low"] == pytest.approx(2 * half)
+    for loss in ("train", "val"):
+        iv = check["intervals"][loss]
+        assert iv["estimate"] == pytest.approx(0.0002 - statistics.mean(others))
+        assert iv["high"] - iv["low"] == pytest.approx(2 * half)
 
 
 def test_strict_makes_inconclusive_fail():
@@ -447,6 +518,12 @@ def test_strict_makes_inconclusive_fail():
     s = _judged(0.0025)
     assert exit_code(s, strict=False) == 0 and exit_code(s, strict=True) == 1
     assert exit_code(_judged(0.0), strict=True) == 0
+    # --accept-better lets `different` pass (and only it); with --strict, inconclusive still fails
+    better = _judged(-0.02)
+    assert exit_code(better, strict=False) == 1 and exit_code(better, strict=False, accept_better=True) == 0
+    assert exit_code(better, strict=True, accept_better=True) == 0
+    assert exit_code(s, strict=True, accept_better=True) == 1
+    assert exit_code(_judged(0.05), strict=False, accept_better=True) == 1
 
 
 def test_library_entry_point_is_the_comparison_function():

@@ -71,12 +71,19 @@ def _expand(scale: torch.Tensor, g: Granularity, rows: int, cols: int) -> torch.
 # Bit-exact against the reference loops
 
 
-@pytest.mark.parametrize("gname", list(GRANULARITIES))
-@pytest.mark.parametrize("fmt", ELEMENT_FORMATS, ids=FMT_IDS)
+# 128x128 blocks put 17k elements through the slow reference: two formats suffice there (3x5 covers all
+# five); the cases are left out rather than skipped, so a skip in CI always means something
+REFERENCE_CASES = [
+    pytest.param(fmt, gname, id=f"{fid}-{gname}")
+    for gname in GRANULARITIES
+    for fmt, fid in zip(ELEMENT_FORMATS, FMT_IDS)
+    if gname != "128x128" or fmt in (E4M3, E2M1)
+]
+
+
+@pytest.mark.parametrize("fmt, gname", REFERENCE_CASES)
 def test_quantize_matches_reference(fmt, gname):
     g, shapes = GRANULARITIES[gname]
-    if gname == "128x128" and fmt not in (E4M3, E2M1):
-        pytest.skip("17k elements through the slow reference: two formats suffice (3x5 covers all five)")
     for i, shape in enumerate(shapes):
         x = _data(shape, seed=i)
         q = quantize(x, fmt, g)

@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from mixprec.verdicts import (
+    DIFFERENT,
     EQUIVALENT,
     INCONCLUSIVE,
     WORSE,
     Interval,
+    combine,
     decide,
     decide_equivalence,
+    detectable_effect,
     mean,
     mean_difference,
     paired_bootstrap,
@@ -136,13 +139,43 @@ def test_ratio_of_sums_weighs_samples_by_their_size():
     [
         (-0.0025, 0.0025, EQUIVALENT),
         (-0.0026, 0.001, INCONCLUSIVE),
-        (-0.01, -0.003, INCONCLUSIVE),  # better than the margin: not equivalent, not worse
+        (-0.01, -0.003, DIFFERENT),  # lower than the margin: a difference, in the other direction
+        (-0.01, -0.0025, INCONCLUSIVE),  # touches -margin: not wholly beyond it
         (0.002, 0.003, INCONCLUSIVE),
         (0.0026, 0.003, WORSE),
     ],
 )
-def test_decide_equivalence_is_two_sided_and_worse_only_above(low, high, verdict):
+def test_decide_equivalence_is_two_sided(low, high, verdict):
     assert decide_equivalence(low, high, margin=0.0025) == verdict
+
+
+@pytest.mark.parametrize(
+    "verdicts, combined",
+    [
+        ((EQUIVALENT, EQUIVALENT), EQUIVALENT),
+        ((EQUIVALENT, INCONCLUSIVE), INCONCLUSIVE),
+        ((EQUIVALENT, DIFFERENT), DIFFERENT),
+        ((DIFFERENT, WORSE), WORSE),
+        ((INCONCLUSIVE, WORSE), WORSE),
+        ((EQUIVALENT,), EQUIVALENT),
+    ],
+)
+def test_combine_needs_every_verdict_equivalent(verdicts, combined):
+    assert combine(verdicts) == combined
+
+
+def test_detectable_effect_is_margin_plus_both_quantiles_times_the_standard_error():
+    # a t interval: half-width = t(0.975, 3) x se with se = 0.001
+    iv = Interval(0.0, -3.182446305284263e-3, 3.182446305284263e-3, level=0.95, samples=4, dof=3)
+    assert detectable_effect(iv, margin=0.0025) == pytest.approx(
+        0.0025 + (3.182446305284263 + 0.9784723123633045) * 1e-3
+    )
+    # without degrees of freedom (a bootstrap): normal quantiles, 1.959964 and 0.841621
+    iv = Interval(0.0, -1.959964e-3, 1.959964e-3, level=0.95, samples=100)
+    assert detectable_effect(iv, margin=0.0) == pytest.approx((1.959964 + 0.841621) * 1e-3, rel=1e-6)
+    assert detectable_effect(Interval(0.1, 0.1, 0.1, level=0.95, samples=1), margin=0.01) == 0.01
+    with pytest.raises(ValueError, match="power"):
+        detectable_effect(iv, margin=0.0, power=0.4)
 
 
 def test_student_t_quantile_against_tabulated_values():

@@ -202,6 +202,17 @@ def check_float_tensor(x: object, what: str = "input") -> torch.Tensor:
     return x
 
 
+def raise_if(flag: torch.Tensor, message: str) -> None:
+    """MixprecError(message) where the one-element bool tensor `flag` is true. In eager mode a Python
+    check (it reads the value). Under torch.compile reading a value is a graph break, so there the
+    check is an assertion inside the graph (torch._assert_async, what Dynamo makes of `assert tensor`):
+    the compiled code raises RuntimeError with the same message when it runs on such an input."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(flag.logical_not(), message)
+    elif bool(flag):
+        raise MixprecError(message)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Exact rounding
 
@@ -361,8 +372,8 @@ def saturating_codes(y: torch.Tensor, fmt: Format, *, inplace: bool = False) -> 
 
 def _round_to_codes(x: torch.Tensor, fmt: Format) -> torch.Tensor:
     """saturating_codes of fp32 x, refusing NaN (the format has no code for it)."""
-    if x.numel() and bool(torch.isnan(x.max())):  # max propagates NaN: one read, no mask tensor
-        raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    if x.numel():  # max propagates NaN: one read, no mask tensor
+        raise_if(torch.isnan(x.max()), f"cannot encode NaN in {fmt.name}: the format has no NaN code")
     return saturating_codes(x, fmt, inplace=True)
 
 

@@ -26,8 +26,10 @@ inside torch.compile; "triton" on CUDA where triton is installed and its kernels
 the CPU "tiled" for memory from kernels.tiled.TILED_MIN_ELEMENTS elements (an fp32 working copy of
 1 GiB; tiles are not faster than eager there, see kernels.tiled) and always for quantize_with_stats;
 else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
-MixprecError saying why (`backend_available` asks first); under torch.compile the FP6/FP4 NaN check
-is the one graph break left (it reads a value).
+MixprecError saying why (`backend_available` asks first). Checks that read a value (the FP6/FP4 NaN
+check, a given global scale) are Python checks raising MixprecError in eager mode and, under
+torch.compile, assertions inside the graph (formats.raise_if): no graph break, the same message (as a
+RuntimeError) when the compiled code meets such an input.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format, check_float_tensor, encode_inplace, get_format
+from mixprec.formats import Format, check_float_tensor, encode_inplace, get_format, raise_if
 from mixprec.kernels import compiled, tiled
 from mixprec.kernels.native import triton_usable, triton_version
 from mixprec.kernels.traceable import quantize_traceable
@@ -239,8 +241,8 @@ def _quantize(
         data, scale, tile_stats = tiled.quantize_tiled(
             x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, out=out, stats=stats
         )
-    if has_nan is not None and bool(has_nan):  # formats without a NaN code (a graph break if traced)
-        raise MixprecError(f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    if has_nan is not None:  # formats without a NaN code (an in-graph assertion if traced)
+        raise_if(has_nan, f"cannot encode NaN in {fmt.name}: the format has no NaN code")
     if out is not None and data is not out:
         data = out.copy_(data)
     q = QuantizedTensor(data, scale, fmt, g, x.shape, gscale)
@@ -329,8 +331,12 @@ def _eager_global(
         gscale = global_scale_from_amax(tensor_amax, fmt, math_dtype)
     else:
         gscale = torch.as_tensor(gscale, dtype=torch.float32).float().reshape(1).to(x2.device)
-        if validate and not bool(torch.isfinite(gscale).all() and (gscale > 0).all()):
-            raise MixprecError(f"a global scale must be finite and positive, got {float(gscale[0])}")
+        if validate:
+            bad = (~torch.isfinite(gscale) | (gscale <= 0)).any()
+            if torch.compiler.is_compiling():  # the value is not known while tracing: assert in the graph
+                raise_if(bad, "a global scale must be finite and positive")
+            elif bool(bad):
+                raise MixprecError(f"a global scale must be finite and positive, got {float(gscale[0])}")
     if scale is None:
         scale = scale_from_amax(amax, fmt, g, global_scale=gscale, dtype=x2.dtype)
     effective = scale / gscale.reshape(1, 1)

@@ -4,6 +4,10 @@ A question such as "is this recipe as good as bf16?" is settled by an interval, 
 
 - `equivalent`: the whole interval lies inside the acceptable region (within the margin);
 - `worse`: the whole interval lies on the bad side of the margin;
+- `different` (equivalence questions only): the whole interval lies beyond the margin on the other side —
+  a run better than its baseline by more than the margin; for a precision change that is as strong a sign
+  that something other than rounding changed as a gap upward, so it fails a gate unless improvements are
+  explicitly accepted;
 - `inconclusive`: the interval straddles a bound; more samples (or steps) would settle it, and
   `samples_to_settle` says about how many, from the 1/sqrt(n) shrinking of the interval's width.
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -24,7 +29,8 @@ import torch
 EQUIVALENT = "equivalent"
 WORSE = "worse"
 INCONCLUSIVE = "inconclusive"
-VERDICTS = (EQUIVALENT, WORSE, INCONCLUSIVE)
+DIFFERENT = "different"
+VERDICTS = (EQUIVALENT, WORSE, DIFFERENT, INCONCLUSIVE)
 
 DEFAULT_LEVEL = 0.95
 DEFAULT_RESAMPLES = 2000
@@ -48,6 +54,9 @@ class Interval:
     level: float
     samples: int  # how many paired samples (or steps) it rests on
     method: str = "paired-bootstrap"
+    # Student's t degrees of freedom of a t interval (None: a bootstrap or a normal interval); the
+    # minimum detectable effect needs it to turn the half-width back into a standard error
+    dof: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.low <= self.high):
@@ -80,17 +89,58 @@ def decide(low: float, high: float, *, upper: float, lower: float = -math.inf) -
 def decide_equivalence(low: float, high: float, *, margin: float) -> str:
     """The verdict of an equivalence question ("is the gap zero, within ±margin?") for a gap where
     higher is worse (a loss gap): `equivalent` when [low, high] lies within [-margin, +margin]; `worse`
-    when it lies wholly above +margin; `inconclusive` otherwise — including an interval wholly below
-    -margin: a run that is better than its baseline by more than the margin is not shown equivalent
-    (something changed more than rounding), but it is not worse either.
+    when it lies wholly above +margin; `different` when it lies wholly below -margin (better than the
+    baseline by more than the margin: something changed more than rounding); `inconclusive` otherwise.
     """
     if margin < 0:
         raise ValueError(f"the margin must be >= 0, got {margin}")
     if low > margin:
         return WORSE
+    if high < -margin:
+        return DIFFERENT
     if -margin <= low and high <= margin:
         return EQUIVALENT
     return INCONCLUSIVE
+
+
+def combine(verdicts: Sequence[str]) -> str:
+    """One verdict from several that must all hold (a recipe judged on its train AND held-out loss):
+    `worse` if any is, else `different` if any is, `equivalent` only if all are, else `inconclusive`."""
+    if not verdicts:
+        raise ValueError("combine needs at least one verdict")
+    for verdict in (WORSE, DIFFERENT):
+        if verdict in verdicts:
+            return verdict
+    return EQUIVALENT if all(v == EQUIVALENT for v in verdicts) else INCONCLUSIVE
+
+
+# the power a minimum detectable effect is stated at: the share of comparisons whose interval excludes
+# the margin when the true gap is that large (80 %, the usual choice in study design)
+DEFAULT_POWER = 0.8
+
+
+def detectable_effect(interval: Interval, *, margin: float, power: float = DEFAULT_POWER) -> float:
+    """The smallest true gap (beyond ±margin, either direction) that an interval as wide as this one
+    would place wholly beyond the margin — `worse` or `different` — in `power` of repeated comparisons.
+
+    The estimate scatters around the true gap d with the interval's standard error se = half-width /
+    q(level); the interval clears the margin when estimate - q(level)·se > margin, which happens with
+    probability `power` when d = margin + (q(level) + q(power))·se. q is Student's t quantile at the
+    interval's degrees of freedom, or the normal one for an interval without (a bootstrap's).
+    """
+    if not (0.5 < power < 1):
+        raise ValueError(f"power must be in (0.5, 1), got {power}")
+    if interval.half_width == 0:
+        return margin
+
+    def quantile(p: float) -> float:
+        if interval.dof is None:
+            return statistics.NormalDist().inv_cdf(p)
+        return student_t_quantile(p, interval.dof)
+
+    q_level = quantile(1 - (1 - interval.level) / 2)
+    se = interval.half_width / q_level
+    return margin + (q_level + quantile(power)) * se
 
 
 def samples_to_settle(
@@ -223,7 +273,7 @@ def replicate_interval(
     centre, variance, _ = _moments(refs)
     half = student_t_quantile(1 - (1 - level) / 2, n - 1) * math.sqrt(variance * (1 + 1 / n))
     estimate = candidate - centre
-    return Interval(estimate, estimate - half, estimate + half, level=level, samples=n,
+    return Interval(estimate, estimate - half, estimate + half, level=level, samples=n, dof=n - 1,
                     method=method or f"difference to the mean of {n} reference runs ± t·s·sqrt(1 + 1/{n})")  # fmt: skip
 
 
@@ -251,11 +301,11 @@ def group_interval(
     (mc, vc, nc), (mr, vr, nr) = (_moments(cands), _moments(refs))
     se2 = vc / nc + vr / nr
     estimate = mc - mr
-    half = 0.0
+    half, dof = 0.0, None
     if se2 > 0:
-        dof = se2**2 / ((vc / nc) ** 2 / (nc - 1) + (vr / nr) ** 2 / (nr - 1))
-        half = student_t_quantile(1 - (1 - level) / 2, max(1, math.floor(dof))) * math.sqrt(se2)
-    return Interval(estimate, estimate - half, estimate + half, level=level, samples=nr,
+        dof = max(1, math.floor(se2**2 / ((vc / nc) ** 2 / (nc - 1) + (vr / nr) ** 2 / (nr - 1))))
+        half = student_t_quantile(1 - (1 - level) / 2, dof) * math.sqrt(se2)
+    return Interval(estimate, estimate - half, estimate + half, level=level, samples=nr, dof=dof,
                     method=method or f"difference of the means of {nc} and {nr} runs (Welch)")  # fmt: skip
 
 

@@ -230,6 +230,40 @@ def test_an_observer_that_saw_nothing_has_not_settled():
         calibrate(model, batches, ["0", "2"], stop=StopRule(0.5, 1, 0))
 
 
+class _RarelyRouted(nn.Module):
+    """A dense Linear and an 'expert' that sees only the tokens routed to it (first feature above 2),
+    and is not called at all when none is: an MoE expert that the first batches leave unrouted."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.expert = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        out = self.dense(x)
+        routed = x[:, 0] > 2.0
+        if routed.any():
+            out[routed] += self.expert(x[routed])
+        return out
+
+
+def test_an_observer_that_has_seen_nothing_yet_keeps_calibration_running():
+    """The dense layer's amax is 3.0 from the first batch; the expert sees its first tokens in batch 6. An
+    observer with nothing seen must not count as settled (nothing seen, nothing clipped: without the
+    guard its share would read 0), so the run goes on until the expert has settled too: its tokens
+    (amax 3.0) enter the window of 2 in batch 6, which passes out of it after batch 8."""
+    batches = _settling_batches(12)
+    for i, x in enumerate(batches):
+        x[0, 1] = 3.0  # the dense layer's amax, from the first batch on
+        if i >= 5:
+            x[2, 0] = 3.0  # routed to the expert from batch 6 on
+    result = calibrate(_RarelyRouted(), batches, ["dense", "expert"], stop=StopRule(0.01, 2, 0))
+    assert result.input_amax == {"dense": 3.0, "expert": 3.0}
+    run = result.run
+    assert (run.stopped, run.batches) == ("converged", 8)
+    # batches 3-5: the dense layer has settled, the expert has not begun (an infinite share: None)
+    assert run.clipped_by_batch[:5] == [None] * 5 and run.clipped_by_batch[7] == 0.0
+
+
 @pytest.mark.parametrize(
     "kwargs, flag",
     [({"tolerance": -0.1}, "--calib-tolerance"), ({"tolerance": float("nan")}, "--calib-tolerance"),

@@ -13,7 +13,7 @@ Why results once differed (docs/serving.md, "torch.compile"):
   rounding order of the fp32 sums apart: both within the fp32 GEMM error bound (tested below).
 
 Inductor compiles C++ for each graph: about a minute on the project's 2-CPU machine (the first compile
-in a process), so these tests are marked slow.
+in a process; 5-20 s for each FP4 / MX model after it), so these tests are marked slow.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.inference import SCHEMES
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,8 @@ pytestmark = pytest.mark.slow
 def _model(scheme: str, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
-    calib = [_inputs(torch.float32)] if scheme == "fp8-static" else None  # static scales from the inputs
+    # static scales (fp8-static) or the input's global scale (nvfp4) from the inputs
+    calib = [_inputs(torch.float32)] if SCHEMES[scheme].needs_calibration else None
     mixprec.quantize_model_(model, scheme, calib_data=calib, default_ignore=False)
     return model.to(dtype).eval()
 
@@ -56,6 +58,18 @@ def test_fp8_dynamic_model_compiled_by_inductor_is_bit_identical(precise_casts, 
     torch._dynamo.reset()
     out = torch.compile(model, backend="inductor", fullgraph=True)(x)
     assert out.dtype == dtype and torch.equal(out, model(x))
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4a16", "mxfp4", "mxfp4a16"])
+def test_fp4_model_compiled_by_inductor_is_bit_identical(precise_casts, scheme):
+    """FP4 / MX layers of a bf16 model, whole graph (the E2M1 NaN check and nvfp4's global-scale check
+    are in-graph assertions): W4A4 quantizes its input per call (nvfp4's E4M3 block scales in the
+    units of its calibrated global scale, mxfp4's E8M0 ones) and runs the emulated GEMM, a16 multiplies
+    by the dequantized weight in fp32; compiled, both give eager's bits."""
+    model, x = _model(scheme, torch.bfloat16), _inputs(torch.bfloat16)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="inductor", fullgraph=True)(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, model(x))
 
 
 def test_fp8_static_layer_compiled_by_inductor_within_the_fp32_gemm_bound():

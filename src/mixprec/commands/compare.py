@@ -20,17 +20,18 @@ from mixprec.comparison.config import (
     DEFAULT_STEPS,
     DEFAULT_THRESHOLDS,
     POLICIES,
+    VERDICT_LOSSES,
     CompareConfig,
     parse_fraction,
 )
 from mixprec.comparison.export import check_exportable, export_trained, write_heldout
 from mixprec.comparison.outdir import stored_config
-from mixprec.comparison.page import null_check_line, verdict_label
+from mixprec.comparison.page import detectable_line, null_check_line, verdict_label
 from mixprec.comparison.runner import compare
 from mixprec.distributed.prepare import DataParallel
 from mixprec.distributed.world import broadcast_object, is_main_process
 from mixprec.errors import MixprecError
-from mixprec.verdicts import EQUIVALENT, INCONCLUSIVE, WORSE
+from mixprec.verdicts import DIFFERENT, EQUIVALENT, INCONCLUSIVE, WORSE
 
 NAME = "compare"
 HELP = (
@@ -38,7 +39,7 @@ HELP = (
 )
 TORCHRUN = True  # runs data-parallel under torchrun (mixprec.cli lets it through)
 # options that say how to run, not what to compare: a `--resume` with them alone takes the stored settings
-HOW_TO_RUN = ("out", "resume", "force", "no_progress", "dp", "check_replicas", "strict")
+HOW_TO_RUN = ("out", "resume", "force", "no_progress", "dp", "check_replicas", "strict", "accept_better")
 
 
 def add_model_and_data_arguments(parser: argparse.ArgumentParser, tokenizer_default: str = "") -> None:
@@ -130,9 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verdict-loss",
-        choices=("val", "train"),
-        default="train",
-        help="which loss the verdict compares (default: %(default)s)",
+        choices=VERDICT_LOSSES,
+        default="both",
+        help="which losses must be equivalent: both (the train loss of the last 10 %% of steps and the "
+        "held-out loss), or train or val alone (the other is still reported) (default: %(default)s)",
     )
     parser.add_argument(
         "--policy",
@@ -167,6 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strict", action="store_true", help="an inconclusive verdict fails too (exit code 1)"
+    )
+    parser.add_argument(
+        "--accept-better",
+        action="store_true",
+        help="a recipe whose loss is lower than its baseline's by more than the margin (verdict "
+        "'different') passes; off by default: a precision change that helps that much changed something "
+        "other than rounding (a frozen layer can lower the loss). With --strict, inconclusive still fails",
     )
     parser.add_argument(
         "--monitor-every",
@@ -244,17 +253,19 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CompareConfig:
         raise MixprecError(f"--settings: {exc}") from None
 
 
-VERDICT_COLOUR = {EQUIVALENT: "green", WORSE: "red", INCONCLUSIVE: "yellow"}
+VERDICT_COLOUR = {EQUIVALENT: "green", WORSE: "red", DIFFERENT: "magenta", INCONCLUSIVE: "yellow"}
 
 
 def print_summary(summary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    which = "validation" if summary.verdict_loss == "val" else "train"
-    table = Table(title=f"mixprec compare (verdict on the {which} loss, against the null runs' band)")
-    for col in ("recipe", "baseline", "train gap", "val gap", "interval", "null band t/v", "margin", "sat. peak",
-                "underflow peak", "NaN", "verdict"):  # fmt: skip
+    which = {"both": "train and held-out losses", "train": "train loss", "val": "held-out loss"}[
+        summary.verdict_loss
+    ]
+    table = Table(title=f"mixprec compare (verdict on the {which}, against the null runs' band)")
+    for col in ("recipe", "baseline", "train gap", "val gap", "train interval", "val interval", "detectable t/v",
+                "margin", "sat. peak", "underflow peak", "NaN", "verdict"):  # fmt: skip
         table.add_column(col)
 
     def pct(x):
@@ -263,19 +274,24 @@ def print_summary(summary) -> None:
     def peak(p):
         return "–" if not p else f"{max(v['value'] for v in p.values()) * 100:.2f}%"
 
+    def interval(r, loss):
+        iv = r.intervals.get(loss)
+        return "–" if not iv else f"[{pct(iv['low'])}, {pct(iv['high'])}]"
+
     for name, r in summary.recipes.items():
         colour = VERDICT_COLOUR.get(r.verdict, "blue")
-        iv = "–" if not r.interval else f"[{pct(r.interval['low'])}, {pct(r.interval['high'])}]"
-        band = "–" if r.band_train is None else f"±{pct(r.band_train)[1:]} / ±{pct(r.band_val)[1:]}"
+        detect = " / ".join(
+            "–" if r.detectable.get(k) is None else f"{r.detectable[k] * 100:.2f}%" for k in ("train", "val")
+        )
         margin = "–" if r.margin is None else f"{r.margin * 100:.2f}%"
-        table.add_row(name, r.baseline or "–", pct(r.train_gap), pct(r.val_gap), iv, band, margin,
-                      peak(r.saturation_peak), peak(r.underflow_peak), str(r.nan_events),
-                      f"[{colour}]{verdict_label(r)}[/{colour}]")  # fmt: skip
+        table.add_row(name, r.baseline or "–", pct(r.train_gap), pct(r.val_gap), interval(r, "train"),
+                      interval(r, "val"), detect if r.detectable else "–", margin, peak(r.saturation_peak),
+                      peak(r.underflow_peak), str(r.nan_events), f"[{colour}]{verdict_label(r)}[/{colour}]")  # fmt: skip
     # piped or logged output has no terminal width: rich would squeeze the table into 80 columns
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(table)
     for name, r in summary.recipes.items():
-        if r.verdict in (WORSE, INCONCLUSIVE):
+        if r.verdict in (WORSE, DIFFERENT, INCONCLUSIVE):
             colour = VERDICT_COLOUR[r.verdict]
             console.print(f"[{colour}]{name}[/{colour}]: " + "; ".join(r.reasons))
     for base, band in summary.bands.items():
@@ -283,6 +299,8 @@ def print_summary(summary) -> None:
         if line:
             ok = band["null_check"]["verdict"] == EQUIVALENT
             console.print(f"[{'green' if ok else 'red'}]{line}[/{'green' if ok else 'red'}]")
+        if detectable_line(base, band):
+            console.print(detectable_line(base, band), markup=False, highlight=False)
     auto = summary.model.get("automatic_policy")
     for policy in (auto or {}).get("policies", {}).values():  # --policy auto: what each recipe kept in bf16
         kept = policy["kept"]
@@ -295,9 +313,10 @@ def print_summary(summary) -> None:
         console.print(f"report: {summary.report_path}")
 
 
-def exit_code(summary, strict: bool) -> int:
-    """0: no recipe worse (inconclusive too, unless strict); 1: a recipe worse (or inconclusive, strict)."""
-    return 1 if summary.exit_code or (strict and summary.inconclusive()) else 0
+def exit_code(summary, strict: bool, accept_better: bool = False) -> int:
+    """0: the gate passes (no recipe worse; none different unless accept_better; none inconclusive if
+    strict); 1: it does not."""
+    return 0 if summary.gate(strict=strict, accept_better=accept_better) else 1
 
 
 def check_extras(
@@ -344,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"held-out text: {write_heldout(Path(args.out), config)}")
         # the verdict is rank 0's (its summary is the one printed and written; the precision statistics
         # are each rank's own): every rank exits with it
-        code = broadcast_object(exit_code(summary, args.strict))
+        code = broadcast_object(exit_code(summary, args.strict, args.accept_better))
         if args.check_replicas:
             differ = [
                 name for name, m in summary.trained_models.items() if not torchrun.replicas_identical(m)

@@ -8,8 +8,8 @@ from rich.console import Console
 
 from mixprec.commands import extras
 from mixprec.commands.compare import print_summary
-from mixprec.demo import NEGATIVE_CONTROLS, run_demo
-from mixprec.verdicts import WORSE
+from mixprec.demo import CONTROLS, DETECTED, REAL_RECIPES, run_demo
+from mixprec.verdicts import EQUIVALENT
 
 NAME = "demo"
 HELP = "compare bf16/fp8 training of a small built-in Llama (with null runs and a negative control), quantize the result to FP8 and evaluate it"
@@ -36,11 +36,19 @@ def run(args: argparse.Namespace) -> int:
     result = run_demo(args.out, force=args.force, progress=not args.no_progress, steps=args.steps)
     print_summary(result.training)
     console = Console()
-    for control in NEGATIVE_CONTROLS:
-        if control in result.training.recipes:
-            verdict = result.training.recipes[control].verdict
-            caught = "[green]detected[/green]" if verdict == WORSE else "[red]NOT detected[/red]"
-            console.print(f"negative control {control}: {verdict} ({caught})")
+    recipes = result.training.recipes
+    for name in REAL_RECIPES:
+        if name in recipes:
+            ok = recipes[name].verdict == EQUIVALENT
+            shown = "[green]shown equivalent[/green]" if ok else "[red]NOT shown equivalent[/red]"
+            console.print(f"real recipe {name}: {recipes[name].verdict} ({shown})")
+    for control in CONTROLS:
+        if control in recipes:
+            verdict = recipes[control].verdict
+            caught = "[green]detected[/green]" if verdict in DETECTED else "[red]NOT detected[/red]"
+            gap = recipes[control].train_gap
+            console.print(f"control {control}: {verdict} ({caught}; train gap {gap * 100:+.2f}%)" if gap is not None
+                          else f"control {control}: {verdict} ({caught})")  # fmt: skip
     info = result.inference
     if info.get("status") == "done":
         console.print(f"FP8 inference: {'[green]pass[/green]' if info['passed'] else '[red]FAIL[/red]'} "

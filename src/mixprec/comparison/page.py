@@ -17,10 +17,12 @@ from mixprec.comparison.summary import (
 from mixprec.monitor import ROLES
 from mixprec.pages import Section, heatmap_grid_png, line_plot_png, paragraph, table_html
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.verdicts import EQUIVALENT, INCONCLUSIVE, WORSE
+from mixprec.verdicts import DIFFERENT, EQUIVALENT, INCONCLUSIVE, WORSE
 
 # row colours of the verdict table (mixprec.pages styles "pass" / "fail" / "inconclusive" rows)
-VERDICT_CLASS = {EQUIVALENT: "pass", WORSE: "fail", INCONCLUSIVE: "inconclusive"}
+VERDICT_CLASS = {EQUIVALENT: "pass", WORSE: "fail", DIFFERENT: "fail", INCONCLUSIVE: "inconclusive"}
+# what a verdict table says of the losses it judges
+JUDGED = {"both": "train and held-out losses", "train": "train loss", "val": "held-out loss"}
 
 
 def _pct(x: float | None, digits: int = 3) -> str:
@@ -49,7 +51,10 @@ def _band(r) -> str:
 
 
 def verdict_label(r) -> str:
-    """The verdict word, with how many null runs would settle an inconclusive one."""
+    """The verdict word, with its direction (worse / different) or how many null runs would settle an
+    inconclusive one."""
+    if r.verdict == DIFFERENT:
+        return f"{r.verdict} (lower loss than {r.baseline})"
     if r.verdict == INCONCLUSIVE and r.null_runs_to_settle:
         return r.verdict + (" (no number of null runs settles it)" if r.null_runs_to_settle < 0
                             else f" (~{r.null_runs_to_settle} null runs would settle it)")  # fmt: skip
@@ -57,38 +62,46 @@ def verdict_label(r) -> str:
 
 
 def verdict_section(summary: ComparisonSummary) -> Section:
-    which = "validation" if summary.verdict_loss == "val" else "train"
-    headers = ["recipe", "baseline", "final train", "final val", "train gap", "val gap", f"decided interval ({which})",
-               "null band (train / val)", "data-order noise (train / val)", "largest smoothed gap", "saturation peak",
-               "underflow peak", "NaN steps", "verdict", "why"]  # fmt: skip
+    which = JUDGED[summary.verdict_loss]
+    headers = ["recipe", "baseline", "final train", "final val", "train gap", "val gap", "train interval",
+               "val interval", "null band (train / val)", "detectable gap (train / val)", "data-order noise (train / val)",
+               "largest smoothed gap", "saturation peak", "underflow peak", "NaN steps", "verdict", "why"]  # fmt: skip
     rows, classes = [], []
     for name, r in summary.recipes.items():
         noise = "–" if r.noise_train is None else f"{_pct(r.noise_train)} / {_pct(r.noise_val)}"
         big = "–" if r.max_smoothed_gap is None else f"{_pct(r.max_smoothed_gap)} @ {r.max_smoothed_gap_step}"
+        detectable = (
+            "–" if not r.detectable else " / ".join(_pct(r.detectable.get(k))[1:] for k in ("train", "val"))
+        )
         rows.append([name, r.baseline or "–", _num(r.final_train_loss), _num(r.final_val_loss), _pct(r.train_gap),
-                     _pct(r.val_gap), _interval(r.interval), _band(r), noise, big, _peak(r.saturation_peak),
-                     _peak(r.underflow_peak), r.nan_events, verdict_label(r).upper(), "; ".join(r.reasons)])  # fmt: skip
+                     _pct(r.val_gap), _interval(r.intervals.get("train")), _interval(r.intervals.get("val")), _band(r),
+                     detectable, noise, big, _peak(r.saturation_peak), _peak(r.underflow_peak), r.nan_events,
+                     verdict_label(r).upper(), "; ".join(r.reasons)])  # fmt: skip
         classes.append(VERDICT_CLASS.get(r.verdict, "baseline"))
     cfg = summary.config
     margins = cfg["thresholds"]
     window = max(1, math.ceil(WINDOW_SHARE * cfg["steps"]))
     note = (
-        f"The verdict uses the {which} loss: gap = (loss − baseline) / baseline, signed, over the last {window} steps "
-        f"(the same batches for every run). Margins: FP8 recipes {margins['fp8'] * 100:.2f}% and FP4 recipes "
+        f"The verdict judges the {which}: gap = (loss − baseline) / baseline, signed; the train loss over the last "
+        f"{window} steps (the same batches for every run), the held-out loss as the mean of the last evaluations on the "
+        f"same blocks. Margins: FP8 recipes {margins['fp8'] * 100:.2f}% and FP4 recipes "
         f"{margins.get('fp4', margins['fp8']) * 100:.2f}% against their baseline, 16-bit recipes "
         f"{margins['bf16'] * 100:.2f}%. Null runs: the baseline again on the same batches from initial weights moved "
         f"by one ulp at random positions ({cfg.get('null_runs', 0)} per baseline, and per recipe when it has its own) — "
         f"equally good runs, whose spread is how far such runs land apart. Decided interval: the recipe's figure "
         f"minus the mean of the baseline's runs, ± Student's t (95 %) times their spread times sqrt(1 + 1/n); a "
         f"recipe with null runs of its own is judged on the mean of its runs with both spreads (Welch). equivalent: "
-        f"the whole interval within ± the margin; worse: the whole interval above it (or NaN/inf steps, or saturation "
-        f"/ underflow beyond their limits); inconclusive: otherwise, with about how many null runs would settle it. "
+        f"every judged loss's whole interval within ± the margin; worse: an interval wholly above it (or NaN/inf steps, "
+        f"or saturation / underflow beyond their limits); different: an interval wholly below − the margin (a lower "
+        f"loss than rounding explains; it fails like worse unless improvements are accepted); inconclusive: otherwise, "
+        f"with about how many null runs would settle it. Detectable gap: the smallest gap beyond the margin the "
+        f"recipe's interval would detect (worse or different) in 80 % of comparisons of this size. "
         f"Data-order noise (when run): the baseline with its batches reordered, reported for comparison, not used by "
         f"the verdict."
     )
     bad, open_ = summary.failures(), summary.inconclusive()
     status = (
-        ("WORSE: " + ", ".join(bad))
+        ("WORSE / DIFFERENT: " + ", ".join(bad))
         if bad
         else ("INCONCLUSIVE: " + ", ".join(open_))
         if open_
@@ -152,12 +165,25 @@ def null_check_line(base: str, check: dict | None) -> str:
     """One sentence: the null check of `base` (a null run judged against the others' band)."""
     if not check:
         return ""
-    iv = check.get("interval")
+    intervals = ", ".join(f"{loss} {_interval(iv)}" for loss, iv in (check.get("intervals") or {}).items())
     return (
         f"Null check of {base}: {check['run']} judged like a recipe against {', '.join(check['against'])} "
         f"(leave-one-out), margin ±{check['margin'] * 100:.2f}%: "
-        f"{check['verdict']}{'' if not iv else f' (interval {_interval(iv)})'} — a run as good as the baseline must "
+        f"{check['verdict']}{f' (intervals: {intervals})' if intervals else ''} — a run as good as the baseline must "
         f"come out equivalent, or the procedure cannot decide at this size."
+    )
+
+
+def detectable_line(base: str, band: dict) -> str:
+    """One sentence: the power of a comparison against `base` — the smallest gap one run of a recipe
+    needs to come out worse (or different) in 80 % of comparisons of this size, at 95 % confidence."""
+    if band.get("detectable_train") is None and band.get("detectable_val") is None:
+        return ""
+    return (
+        f"Minimum detectable effect against {base} (one run of a recipe, margin ±{band['margin'] * 100:.2f}%, 95 % "
+        f"confidence, 80 % power): a gap of {_pct(band.get('detectable_train'))[1:]} on the train loss, "
+        f"{_pct(band.get('detectable_val'))[1:]} on the held-out loss; a smaller harm beyond the margin may come out "
+        f"inconclusive."
     )
 
 
@@ -177,6 +203,7 @@ def band_section(summary: ComparisonSummary) -> Section:
         rows.append([base, "final (val)", f"±{_pct(band['half_width_val'])[1:]}" if band["half_width_val"] is not None
                      else "–", _pct(summary.noise_runs.get(base, {}).get("val"))])  # fmt: skip
     checks = [null_check_line(base, band.get("null_check")) for base, band in summary.bands.items()]
+    checks += [detectable_line(base, band) for base, band in summary.bands.items()]
     html = (
         "".join(paragraph(c) for c in checks if c)
         + paragraph(

@@ -8,9 +8,10 @@ bf16 for fp8 when present) is also re-run `null_runs` times on the same batches 
 moved by one ulp at random positions, and so is every recipe judged against fp32 (fp32's runs barely
 scatter, so the recipe's own scatter must be measured): the spread of these equally good runs is what
 every verdict is read against (mixprec.comparison.summary). `noise=True` adds the old yardstick, a re-run with another data
-order (reported only). The verdict compares the train loss by default (the last 10 % of steps, the same
-batches for every run); `verdict_loss="val"` uses the validation loss instead. See docs/compare.md and
-docs/schemas/compare.md.
+order (reported only). The verdict requires the train loss (the last 10 % of steps, the same batches for
+every run) and the held-out loss to be equivalent, and calls a loss lower than the baseline's by more than
+the margin `different` (it fails like `worse`); `verdict_loss="train"` or `"val"` judges one alone. See
+docs/compare.md and docs/schemas/compare.md.
 """
 
 from __future__ import annotations

@@ -25,14 +25,17 @@ from typing import Any
 
 import torch
 
-from mixprec.comparison.config import NOISE_SUFFIX, NULL_SUFFIX, CompareConfig
+from mixprec.comparison.config import LOSSES, NOISE_SUFFIX, NULL_SUFFIX, CompareConfig
 from mixprec.monitor import ROLES
 from mixprec.verdicts import (
+    DIFFERENT,
     EQUIVALENT,
     INCONCLUSIVE,
     WORSE,
     Interval,
+    combine,
     decide_equivalence,
+    detectable_effect,
     group_interval,
     paired_bootstrap,
     references_to_settle,
@@ -43,8 +46,11 @@ from mixprec.verdicts import (
 # summary.json: 2 added the "inconclusive" verdict; 3 the verdicts equivalent / worse / inconclusive
 # against a margin with the null runs' band (`bands`, `interval`, `band_*`, `steps_to_settle`), `passed`
 # false only for `worse`; 4: the interval from the spread of the baseline's runs (`bands.*.members`,
-# `spread_*`), `null_runs_to_settle` replaces `steps_to_settle`; metrics.jsonl rows are unchanged since 1
-SCHEMA_VERSION = 5
+# `spread_*`), `null_runs_to_settle` replaces `steps_to_settle`; 5: FP4 margins and limits; 6: the verdict
+# `different` (an interval wholly below -margin) with `direction`, both losses judged (`intervals`,
+# `loss_verdicts` per loss replace `interval`; `verdict_loss` "both" by default), the minimum detectable
+# effect (`detectable` per recipe, `detectable_*` per band), `passed` false for `different` too; metrics.jsonl rows are unchanged since 1
+SCHEMA_VERSION = 6
 METRICS_SCHEMA_VERSION = 2
 BASELINE = "baseline"  # the verdict of a recipe others are judged against
 WINDOW_SHARE = 0.1  # the verdict window: the last 10 % of steps
@@ -69,10 +75,15 @@ class RecipeSummary:
     margin: (
         float | None
     )  # the largest acceptable gap (verdicts.FP8_MARGIN / FP4_MARGIN / HALF_MARGIN by default)
-    verdict: str  # "equivalent", "worse", "inconclusive" or "baseline"
+    verdict: str  # "equivalent", "worse", "different", "inconclusive" or "baseline"
     band_train: float | None = None  # half-width of the band: how far an equally good run may land
     band_val: float | None = None
-    interval: dict | None = None  # the decided interval of `verdict_loss` (verdicts.Interval fields)
+    # per judged loss ("train", "val"): the decided interval (verdicts.Interval fields), its verdict, and
+    # the smallest gap beyond the margin this comparison would detect (95 % confidence, 80 % power)
+    intervals: dict[str, dict | None] = field(default_factory=dict)
+    loss_verdicts: dict[str, str] = field(default_factory=dict)
+    detectable: dict[str, float | None] = field(default_factory=dict)
+    direction: str | None = None  # "lower" (loss below the baseline's) or "higher", for worse / different
     null_runs_to_settle: int | None = None  # inconclusive only: about how many null runs; -1 none would
     reasons: list[str] = field(default_factory=list)
     saturation_peak: dict[str, dict] = field(default_factory=dict)  # role -> {value, step, layer}
@@ -87,10 +98,10 @@ class ComparisonSummary:
     """What `mixprec.compare` returns; `to_dict()` is summary.json."""
 
     recipes: dict[str, RecipeSummary]
-    verdict_loss: (
-        str  # which loss the verdict uses: "val" (held-out, same blocks for every recipe) or "train"
-    )
-    passed: bool
+    # which losses the verdict judges: "both" (train and held-out; equivalent only if both are), "train"
+    # or "val" (held-out, the same blocks for every recipe) alone
+    verdict_loss: str
+    passed: bool  # the default gate: no recipe worse or different (`gate()` takes --strict / --accept-better)
     config: dict
     noise_runs: dict[str, dict] = field(default_factory=dict)  # baseline -> {train, val, max_smoothed_gap}
     bands: dict[str, dict] = field(default_factory=dict)  # baseline -> its null runs' band (see _band)
@@ -106,8 +117,15 @@ class ComparisonSummary:
 
     @property
     def exit_code(self) -> int:
-        """0: no recipe is worse (inconclusive ones included), 1: one is."""
+        """0: no recipe is worse or different (inconclusive ones included), 1: one is."""
         return 0 if self.passed else 1
+
+    def gate(self, *, strict: bool = False, accept_better: bool = False) -> bool:
+        """Whether the comparison passes: no recipe `worse`; none `different` unless `accept_better`;
+        with `strict`, none `inconclusive` either."""
+        return gate_passes(
+            [r.verdict for r in self.recipes.values()], strict=strict, accept_better=accept_better
+        )
 
     def to_dict(self) -> dict:
         d = {
@@ -119,10 +137,19 @@ class ComparisonSummary:
         return json_safe(d)
 
     def failures(self) -> list[str]:
-        return [name for name, r in self.recipes.items() if r.verdict == WORSE]
+        return [name for name, r in self.recipes.items() if r.verdict in (WORSE, DIFFERENT)]
 
     def inconclusive(self) -> list[str]:
         return [name for name, r in self.recipes.items() if r.verdict == INCONCLUSIVE]
+
+
+def gate_passes(verdicts: list[str], *, strict: bool = False, accept_better: bool = False) -> bool:
+    """The comparison's gate over its recipes' verdicts. `different` fails like `worse`: a precision
+    change that lowers the loss by more than the margin changed something other than rounding (a frozen
+    layer can do that, measured in docs/compare.md); `accept_better` lets it pass for a user who expects
+    the change to help (a regularising effect they have checked). `strict`: `inconclusive` fails too."""
+    failing = {WORSE} | ({INCONCLUSIVE} if strict else set()) | (set() if accept_better else {DIFFERENT})
+    return not any(v in failing for v in verdicts)
 
 
 def json_safe(x: Any) -> Any:
@@ -230,10 +257,14 @@ def _half_width(spread: float | None, runs: int) -> float | None:
     return student_t_quantile(0.975, runs - 1) * spread * math.sqrt(1 + 1 / runs)
 
 
-def _band(base: str, nulls: list[str], curves: dict, finals: dict, steps: int) -> dict:
+def _band(
+    base: str, nulls: list[str], curves: dict, finals: dict, steps: int, margin: float | None = None
+) -> dict:
     """The baseline's runs — itself and its rounding-level null runs, equally good by construction —
     their figures relative to the baseline, their spread, the band (how far one more equally good run
-    may land from their mean) and how the spread evolves over steps."""
+    may land from their mean), how the spread evolves over steps, and — given the strictest margin
+    asked of the baseline — the smallest gap one run of a recipe must have to be detected (`worse` or
+    `different`) in 80 % of comparisons of this size (verdicts.detectable_effect)."""
     members = [base, *nulls]
     train = [window_gap(curves[m], curves[base], steps) for m in members]
     val = [_gap(finals[m][1], finals[base][1]) for m in members]
@@ -243,11 +274,22 @@ def _band(base: str, nulls: list[str], curves: dict, finals: dict, steps: int) -
         spread = _spread([window_gap(curves[m], curves[base], end) for m in members])
         evolution.append({"step": end, "spread_train": spread, "train": _half_width(spread, len(members))})
     spread_train, spread_val = _spread(train), _spread(val)
-    return {"runs": nulls, "members": members, "train": train[1:], "val": val[1:],
+    band = {"runs": nulls, "members": members, "train": train[1:], "val": val[1:],
             "spread_train": spread_train, "spread_val": spread_val,
             "half_width_train": _half_width(spread_train, len(members)),
             "half_width_val": _half_width(spread_val, len(members)),
             "window_steps": window_length(steps), "evolution": evolution}  # fmt: skip
+    if margin is not None:
+        band["margin"] = margin
+        for loss in LOSSES:
+            half = band[f"half_width_{loss}"]
+            one_run = (
+                None if half is None else Interval(0.0, -half, half, 0.95, len(members), dof=len(members) - 1)
+            )
+            band[f"detectable_{loss}"] = (
+                None if one_run is None else detectable_effect(one_run, margin=margin)
+            )
+    return band
 
 
 def _own_runs(
@@ -269,7 +311,8 @@ def null_check(
 ) -> dict | None:
     """The procedure checked on a case whose answer is known: null run 1 is as good as the baseline, so
     judged like a recipe — against the baseline and the OTHER null runs (leave-one-out), at the
-    strictest margin asked of this baseline — it must come out `equivalent`. Needs at least 2 null runs."""
+    strictest margin asked of this baseline, on every judged loss — it must come out `equivalent`.
+    Needs at least 2 null runs."""
     if len(nulls) < 2:
         return None
     candidate, others = nulls[0], nulls[1:]
@@ -280,13 +323,15 @@ def null_check(
         val_gap=_gap(finals[candidate][1], finals[base][1]), max_smoothed_gap=None, max_smoothed_gap_step=None,
         noise_train=None, noise_val=None, noise_max_smoothed_gap=None, margin=margin, verdict=BASELINE,
     )  # fmt: skip
-    interval = decided_interval(probe, curves[candidate], curves[base], config, band)
-    if interval is None:
-        return {"run": candidate, "against": [base, *others], "margin": margin, "verdict": WORSE,
-                "interval": None}  # fmt: skip
-    verdict = decide_equivalence(interval.low, interval.high, margin=margin)
-    return {"run": candidate, "against": [base, *others], "margin": margin, "verdict": verdict,
-            "interval": interval.to_dict()}  # fmt: skip
+    intervals, verdicts = {}, {}
+    for loss in config.judged_losses():
+        interval = decided_interval(probe, curves[candidate], curves[base], config, band, loss=loss)
+        intervals[loss] = None if interval is None else interval.to_dict()
+        verdicts[loss] = (
+            WORSE if interval is None else decide_equivalence(interval.low, interval.high, margin=margin)
+        )
+    return {"run": candidate, "against": [base, *others], "margin": margin, "verdict": combine(list(verdicts.values())),
+            "loss_verdicts": verdicts, "intervals": intervals}  # fmt: skip
 
 
 def summarize(records: list[dict], config: CompareConfig) -> ComparisonSummary:
@@ -319,9 +364,9 @@ def summarize(records: list[dict], config: CompareConfig) -> ComparisonSummary:
             }  # fmt: skip
         nulls = null_runs_of(runs, base)
         if nulls and base in curves:
-            bands[base] = _band(base, nulls, curves, finals, steps)
-            margins = [config.threshold_for(r) for r, b in config.baselines().items() if b == base]
-            bands[base]["null_check"] = null_check(base, nulls, curves, finals, config, min(margins))
+            margin = min(config.threshold_for(r) for r, b in config.baselines().items() if b == base)
+            bands[base] = _band(base, nulls, curves, finals, steps, margin)
+            bands[base]["null_check"] = null_check(base, nulls, curves, finals, config, margin)
 
     out: dict[str, RecipeSummary] = {}
     for recipe, base in config.baselines().items():
@@ -350,15 +395,19 @@ def summarize(records: list[dict], config: CompareConfig) -> ComparisonSummary:
             band = bands.get(base, {})
             s.band_train, s.band_val = band.get("half_width_train"), band.get("half_width_val")
             own = _own_runs(recipe, base, null_runs_of(runs, recipe), curves, finals, steps)
-            interval = decided_interval(s, curves[recipe], curves[base], config, band, own)
-            s.interval = None if interval is None else interval.to_dict()
-            if interval is not None:
-                s.null_runs_to_settle = _runs_to_settle(s, interval, band, own, config)
+            settle = []
+            for loss in config.judged_losses():
+                interval = decided_interval(s, curves[recipe], curves[base], config, band, own, loss=loss)
+                s.intervals[loss] = None if interval is None else interval.to_dict()
+                if interval is not None:
+                    s.detectable[loss] = detectable_effect(interval, margin=s.margin)
+                    settle.append(_runs_to_settle(s, interval, band, own, loss))
+            s.null_runs_to_settle = _most_runs(settle)
         s.verdict, s.reasons = _verdict(s, config)
         if s.verdict != INCONCLUSIVE:
             s.null_runs_to_settle = None
         out[recipe] = s
-    passed = all(r.verdict != WORSE for r in out.values())
+    passed = gate_passes([r.verdict for r in out.values()])
     return ComparisonSummary(
         recipes=out, verdict_loss=config.verdict_loss, passed=passed, config=config.to_dict(),
         noise_runs=noise_runs, bands=bands,
@@ -372,8 +421,10 @@ def decided_interval(
     config: CompareConfig,
     band: dict,
     own: dict | None = None,
+    *,
+    loss: str = "train",
 ) -> Interval | None:
-    """The interval the verdict decides.
+    """The interval the verdict decides on `loss` ("train" or "val").
 
     With null runs: the mean of the recipe's figures (train: the window's mean loss; val: the mean of
     the last evaluations) minus the mean of the baseline's runs (the baseline and its null runs), all
@@ -385,7 +436,7 @@ def decided_interval(
     Without null runs: the paired bootstrap over the window's steps (same batches for both runs), which
     sees only that batch-to-batch noise and not how far equally good runs drift apart.
     """
-    val = config.verdict_loss == "val"
+    val = loss == "val"
     gap = s.val_gap if val else s.train_gap
     if gap is None or not math.isfinite(gap):
         return None
@@ -411,18 +462,29 @@ def decided_interval(
 
 
 def _runs_to_settle(
-    s: RecipeSummary, interval: Interval, band: dict, own: dict | None, config: CompareConfig
+    s: RecipeSummary, interval: Interval, band: dict, own: dict | None, loss: str
 ) -> int | None:
-    """Inconclusive only: how many null runs (of the baseline; of each, when the recipe has its own)
-    would settle it, the estimate and the spreads taken as fixed; -1 when no number would."""
-    key = "spread_val" if config.verdict_loss == "val" else "spread_train"
+    """How many null runs (of the baseline; of each, when the recipe has its own) would settle the
+    interval of `loss`, the estimate and the spreads taken as fixed; None when it is settled, -1 when
+    no number would."""
+    key = f"spread_{loss}"
     spread = band.get(key)
     if spread is None or interval.samples < 2:
-        return -1
+        return (
+            None if decide_equivalence(interval.low, interval.high, margin=s.margin) != INCONCLUSIVE else -1
+        )
     runs = references_to_settle(
         interval, margin=s.margin, spread=spread, candidate_spread=(own or {}).get(key)
     )
     return None if runs is None else (runs if runs < 0 else runs - 1)
+
+
+def _most_runs(counts: list[int | None]) -> int | None:
+    """What settles every judged loss: the largest count; -1 if any cannot be settled; None if all are."""
+    open_ = [c for c in counts if c is not None]
+    if not open_:
+        return None
+    return -1 if any(c < 0 for c in open_) else max(open_)
 
 
 def _pct(x: float | None) -> str:
@@ -445,52 +507,67 @@ def _verdict(s: RecipeSummary, config: CompareConfig) -> tuple[str, list[str]]:
         )
     if s.baseline is None:
         return (WORSE if worse else BASELINE), reasons
-    which = "validation" if config.verdict_loss == "val" else "train"
-    gap = s.val_gap if config.verdict_loss == "val" else s.train_gap
-    iv = s.interval
-    verdict = INCONCLUSIVE
-    if iv is None or gap is None:
-        worse = True
-        reasons.append(f"no {which} gap to {s.baseline}")
-    else:
-        band = s.band_val if config.verdict_loss == "val" else s.band_train
-        band_text = (
-            f"band of equally good runs ±{band * 100:.3f}%"
-            if band is not None
-            else "no null runs: only the batch-to-batch noise is measured"
-        )
-        where = (
-            f"{which} loss {_pct(gap)} vs {s.baseline}, {_pct(iv['estimate'])} vs the mean of its runs, "
-            f"interval [{_pct(iv['low'])}, {_pct(iv['high'])}] ({band_text})"
-        )
-        verdict = decide_equivalence(iv["low"], iv["high"], margin=s.margin)
-        if verdict == EQUIVALENT:
-            reasons.append(f"{where}: within ±{s.margin * 100:.2f}%")
-        elif verdict == WORSE:
-            reasons.append(f"{where}: wholly above the {s.margin * 100:.2f}% margin")
+    verdicts = []
+    for loss in config.judged_losses():
+        verdict, reason = _loss_verdict(s, loss)
+        s.loss_verdicts[loss] = verdict
+        verdicts.append(verdict)
+        reasons.append(reason)
+    verdict = combine(verdicts)
+    if verdict == INCONCLUSIVE:
+        settle = s.null_runs_to_settle
+        if settle is None or settle < 0:
+            reasons.append("no number of null runs would settle it: one run of the recipe scatters too widely "
+                           "on its own (fewer steps, or a larger margin)")  # fmt: skip
         else:
-            settle = s.null_runs_to_settle
-            if iv["high"] < -s.margin:
-                how = "better than its baseline by more than the margin: something changed more than rounding"
-            elif settle is None or settle < 0:
-                how = ("no number of null runs would settle it: one run of the recipe scatters too widely "
-                       "on its own (fewer steps, or a larger margin)")  # fmt: skip
-            else:
-                how = f"about {settle} null runs would settle it (--null-runs {settle})"
-            reasons.append(f"{where}: not wholly within ±{s.margin * 100:.2f}%; {how}")
-        evidence = _precision_evidence(s, config)
-        if evidence:
-            # A short run can keep the loss on the baseline while a tensor role loses most of its
-            # values (a tiny model whose loss is still unigram statistics learnt by the embeddings
-            # and head: 100 % underflowing gradients moved it by -0.2 %, measured): the loss has
-            # not shown the damage yet, the statistics do.
-            worse = True
-            reasons.append("the precision statistics are beyond their limits")
-            reasons.extend(evidence)
-    if worse:
+            reasons.append(f"about {settle} null runs would settle it (--null-runs {settle})")
+    evidence = _precision_evidence(s, config)
+    if evidence:
+        # A short run can keep the loss on the baseline while a tensor role loses most of its
+        # values (a tiny model whose loss is still unigram statistics learnt by the embeddings
+        # and head: 100 % underflowing gradients moved it by -0.2 %, measured): the loss has
+        # not shown the damage yet, the statistics do.
+        worse = True
+        reasons.append("the precision statistics are beyond their limits")
+        reasons.extend(evidence)
+    if worse or verdict == WORSE:
         reasons.extend(r for r in _peaks_above(s, _EXPLAIN_PEAKS_ABOVE) if r not in reasons)
+        s.direction = "lower" if verdict == DIFFERENT else "higher"
         return WORSE, reasons
+    s.direction = "lower" if verdict == DIFFERENT else None
     return verdict, reasons
+
+
+_LOSS_NAMES = {"train": "train", "val": "validation"}
+
+
+def _loss_verdict(s: RecipeSummary, loss: str) -> tuple[str, str]:
+    """The verdict of one loss's interval and the reason that says it (gap, interval, band, margin)."""
+    which = _LOSS_NAMES[loss]
+    iv = s.intervals.get(loss)
+    gap = s.val_gap if loss == "val" else s.train_gap
+    if iv is None or gap is None:
+        return WORSE, f"no {which} gap to {s.baseline}"
+    band = s.band_val if loss == "val" else s.band_train
+    band_text = (
+        f"band of equally good runs ±{band * 100:.3f}%"
+        if band is not None
+        else "no null runs: only the batch-to-batch noise is measured"
+    )
+    where = (
+        f"{which} loss {_pct(gap)} vs {s.baseline}, {_pct(iv['estimate'])} vs the mean of its runs, "
+        f"interval [{_pct(iv['low'])}, {_pct(iv['high'])}] ({band_text})"
+    )
+    verdict = decide_equivalence(iv["low"], iv["high"], margin=s.margin)
+    margin = f"{s.margin * 100:.2f}%"
+    if verdict == EQUIVALENT:
+        return verdict, f"{where}: within ±{margin}"
+    if verdict == WORSE:
+        return verdict, f"{where}: wholly above the {margin} margin"
+    if verdict == DIFFERENT:
+        return verdict, (f"{where}: wholly below -{margin}, lower than its baseline by more than the margin: "
+                         "something changed more than rounding")  # fmt: skip
+    return verdict, f"{where}: not wholly within ±{margin}"
 
 
 def _precision_evidence(s: RecipeSummary, config: CompareConfig) -> list[str]:
