@@ -1,9 +1,14 @@
 """The layer table of the package, enforced: imports flow one way, one home per concept stays visible.
 
-Every module of src/mixprec is read as a syntax tree (nothing is imported), and each of its imports of
-mixprec — at module level, inside functions, and `importlib.import_module("mixprec...")` calls — is
-checked against LAYERS: a module may import its own package and packages on lower layers, nothing on
-its own layer (sideways) or above it (upward). docs/architecture.md shows the same table; a test
+Every module of src/mixprec is read as a syntax tree (nothing is imported), and each of its references
+to mixprec is checked against LAYERS: a module may import its own package and packages on lower layers,
+nothing on its own layer (sideways) or above it (upward). A reference is any form that can import:
+`import` / `from ... import` at module level or inside functions; `import mixprec` followed by
+attribute access (`mixprec.comparison.runner`); and any string that names a mixprec module — what
+`importlib.import_module("mixprec...")`, `__import__("mixprec...")` and a package's lazy `_EXPORTS`
+table (`"mixprec.training.step:TrainingStep"`) hand to the import machinery. An `import_module` or
+`__import__` whose name is computed cannot be followed, so it is refused, except in a package's lazy
+namespace, whose table of strings is checked instead. docs/architecture.md shows the same table; a test
 below keeps the two equal.
 """
 
@@ -66,43 +71,98 @@ def module_name(path: Path, src: Path = SRC) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(module: str, source: str, is_package: bool = False) -> list[Import]:
-    """Every import of mixprec in a module's source, with whether it sits inside a function."""
-    tree = ast.parse(source)
-    in_function: set[int] = set()
+# a string naming a mixprec module, with an optional ":attribute" (the lazy tables' form)
+MODULE_STRING = re.compile(r"^(mixprec(?:\.[A-Za-z_]\w*)+)(?::[A-Za-z_]\w*)?$")
+IMPORT_CALLS = ("import_module", "__import__")
+# packages whose lazy namespace computes the module name from a table of strings (checked as strings)
+LAZY_TABLES = ("_EXPORTS", "_MODULES")
+
+
+def existing_packages(src: Path = SRC) -> set[str]:
+    """The first names under mixprec that exist (module files and sub-packages)."""
+    return {p.stem for p in src.glob("*.py")} | {
+        p.name for p in src.iterdir() if (p / "__init__.py").exists()
+    }
+
+
+def _inside_functions(tree: ast.AST) -> set[int]:
+    inside: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            in_function.update(id(inner) for inner in ast.walk(node) if inner is not node)
+            inside.update(id(inner) for inner in ast.walk(node) if inner is not node)
+    return inside
+
+
+def _from_import(module: str, node: ast.ImportFrom, is_package: bool, inside: bool) -> list[Import]:
+    target = node.module or ""
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - node.level + 1]
+        target = ".".join([*base, target] if target else base)
+    if not (target == "mixprec" or target.startswith("mixprec.")):
+        return []
+    names = tuple(a.name for a in node.names)
+    if target == "mixprec":  # `from mixprec import formats` imports the submodules
+        return [Import(module, f"mixprec.{n}", (), inside, node.lineno) for n in names if n != "__version__"]
+    return [Import(module, target, names, inside, node.lineno)]
+
+
+def _attribute_chain(node: ast.Attribute) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"]; None when the chain does not start at a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def imports_of(module: str, source: str, is_package: bool = False) -> list[Import]:
+    """Every reference to a mixprec module in a module's source, with whether it sits inside a function."""
+    tree = ast.parse(source)
+    in_function = _inside_functions(tree)
+    packages = existing_packages()
+    aliases = {  # names bound to the mixprec package itself by `import mixprec [as m]`
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for a in node.names
+        if a.name == "mixprec"
+    }
+    lazy = is_package and any(
+        isinstance(node, ast.Assign) and any(getattr(t, "id", "") in LAZY_TABLES for t in node.targets)
+        for node in tree.body
+    )
     found = []
     for node in ast.walk(tree):
         inside = id(node) in in_function
         if isinstance(node, ast.ImportFrom):
-            target = node.module or ""
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - node.level + 1]
-                target = ".".join([*base, target] if target else base)
-            if target == "mixprec" or target.startswith("mixprec."):
-                names = tuple(a.name for a in node.names)
-                if target == "mixprec":  # `from mixprec import formats` imports the submodules
-                    for name in names:
-                        if name != "__version__":
-                            found.append(Import(module, f"mixprec.{name}", (), inside, node.lineno))
-                    continue
-                found.append(Import(module, target, names, inside, node.lineno))
+            found += _from_import(module, node, is_package, inside)
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("mixprec."):
-                    found.append(Import(module, alias.name, (), inside, node.lineno))
+            found += [
+                Import(module, a.name, (), inside, node.lineno)
+                for a in node.names
+                if a.name.startswith("mixprec.")
+            ]
+        elif isinstance(node, ast.Attribute) and aliases:
+            chain = _attribute_chain(node)
+            if chain and chain[0] in aliases and len(chain) > 1 and chain[1] in packages:
+                found.append(Import(module, f"mixprec.{chain[1]}", (), inside, node.lineno))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = MODULE_STRING.match(node.value)
+            if match and match.group(1).split(".")[1] in packages:
+                found.append(Import(module, match.group(1), (), inside, node.lineno))
         elif (
             isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and str(node.args[0].value).startswith("mixprec.")
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) in IMPORT_CALLS
         ):
-            found.append(Import(module, str(node.args[0].value), (), True, node.lineno))
+            named = node.args and isinstance(node.args[0], ast.Constant)
+            if not named and not lazy:
+                found.append(Import(module, COMPUTED, (), inside, node.lineno))
     return found
+
+
+# the target of an import whose module name is computed at run time
+COMPUTED = "<computed>"
 
 
 def package_of(module: str) -> str:
@@ -124,6 +184,11 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
         for imp in imports_of(module, source, is_package):
             target = package_of(imp.target)
             where = f"{module}:{imp.line}"
+            if imp.target == COMPUTED:
+                problems.append(
+                    f"{where} imports a module whose name is computed (the layers cannot be checked)"
+                )
+                continue
             if target not in layers:
                 problems.append(f"{where} imports {imp.target}, which is on no layer")
                 continue
@@ -208,3 +273,52 @@ def test_the_architecture_doc_shows_this_table():
         for name, text in rows.items()
     }
     assert got == want
+
+
+def test_every_form_of_an_upward_import_is_caught():
+    """The forms a plain import scan misses: a new entry of a package's lazy table, __import__, `import
+    mixprec` then attribute access, and import_module with a computed name."""
+    sources = package_sources()
+    training_init, _ = sources["mixprec.training"]
+    sources["mixprec.training"] = (
+        training_init.replace(
+            "_EXPORTS = {", '_EXPORTS = {\n    "compare": "mixprec.comparison.runner:compare",'
+        ),
+        True,
+    )
+    sources["mixprec.gemm"] = (
+        sources["mixprec.gemm"][0] + '\n_runner = __import__("mixprec.comparison.runner")\n',
+        False,
+    )
+    sources["mixprec.scaling"] = (
+        sources["mixprec.scaling"][0]
+        + "\nimport mixprec\n\ndef _late(x):\n    return mixprec.demo.run_demo(x)\n",
+        False,
+    )
+    sources["mixprec.formats"] = (
+        sources["mixprec.formats"][0]
+        + '\nimport importlib\n\ndef _any(name):\n    return importlib.import_module("mixprec." + name)\n',
+        False,
+    )
+    found = violations(sources)
+    assert any(
+        "mixprec.training:" in v and "mixprec.comparison.runner upward (wings -> workflows)" in v
+        for v in found
+    ), found
+    assert any(
+        "mixprec.gemm:" in v and "mixprec.comparison.runner upward (seams -> workflows)" in v for v in found
+    ), found
+    assert any("mixprec.scaling:" in v and "mixprec.demo upward (scaling -> demo)" in v for v in found), found
+    assert any("mixprec.formats:" in v and "name is computed" in v for v in found), found
+    # and none of them is reported in the package as it is
+    assert violations(package_sources()) == []
+
+
+def test_strings_that_only_look_like_modules_are_not_imports():
+    """ONNX metadata keys ("mixprec.source_model") and API names in messages ("mixprec.load_quantized")
+    name no module: they are not references."""
+    source = 'KEY = "mixprec.source_model"\nAPI = "mixprec.load_quantized"\nDOC = "see mixprec.comparison for more"\n'
+    assert imports_of("mixprec.formats", source) == []
+    assert [i.target for i in imports_of("mixprec.formats", 'X = "mixprec.comparison.runner:compare"\n')] == [
+        "mixprec.comparison.runner"
+    ]

@@ -59,3 +59,33 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(shard), "pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
     return out
+
+
+def quantized_state(model, layer_class: type, buffers: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every payload and scale buffer of the `layer_class` layers of `model`, as stored (absent ones left
+    out), cloned: what a cast, a device move or a state_dict round trip must leave bit for bit."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, layer_class):
+            for k in buffers:
+                t = getattr(m, k)
+                if t is not None:
+                    out[f"{name}.{k}"] = t.detach().clone()
+    return out
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same names, dtypes and raw bytes (bit-identity whatever the dtype)."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+# the casts a quantized model must survive: payloads and scales keep their bits, the output dtype follows
+CASTS = {
+    ".to(torch.bfloat16)": (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+    ".bfloat16()": (lambda m: m.bfloat16(), torch.bfloat16),
+    ".half()": (lambda m: m.half(), torch.float16),
+    ".to(dtype=torch.float16)": (lambda m: m.to(dtype=torch.float16), torch.float16),
+    ".float()": (lambda m: m.bfloat16().float(), torch.float32),
+}

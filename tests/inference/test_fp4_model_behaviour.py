@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from inference_helpers import tiny_llama
+from inference_helpers import CASTS, quantized_state, same_bits, tiny_llama
 from torch import nn
 
 import mixprec
@@ -20,13 +20,6 @@ from mixprec.inference import SCHEMES, QuantizedLinear, quantize_checkpoint
 from mixprec.inference.linear import BlockQuantizedLinear
 
 FP4_SCHEMES = ("nvfp4", "nvfp4a16", "mxfp4", "mxfp4a16")
-CASTS = {
-    ".to(torch.bfloat16)": (lambda m: m.to(torch.bfloat16), torch.bfloat16),
-    ".bfloat16()": (lambda m: m.bfloat16(), torch.bfloat16),
-    ".half()": (lambda m: m.half(), torch.float16),
-    ".to(dtype=torch.float16)": (lambda m: m.to(dtype=torch.float16), torch.float16),
-    ".float()": (lambda m: m.bfloat16().float(), torch.float32),
-}
 # what a compressed-tensors checkpoint stores, with the dtypes it stores them in
 BUFFERS = ("weight_packed", "weight", "weight_scale", "weight_global_scale", "input_global_scale")
 DTYPES = {
@@ -77,20 +70,7 @@ def _block_layers(model: nn.Module) -> list[BlockQuantizedLinear]:
 
 def _quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every packed payload and scale, as stored (bit-identity is compared on the raw bytes)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, BlockQuantizedLinear):
-            for k in BUFFERS:
-                t = getattr(m, k)
-                if t is not None:
-                    out[f"{name}.{k}"] = t.detach().clone()
-    return out
-
-
-def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
-    )
+    return quantized_state(model, BlockQuantizedLinear, BUFFERS)
 
 
 def _check_dtypes(model: nn.Module) -> None:
@@ -106,7 +86,7 @@ def test_casts_keep_payloads_and_change_the_output_dtype(quantized, cast, input_
     before = _quantized_state(quantized)
     _check_dtypes(quantized)
     assert fn(quantized) is quantized
-    assert _same_bits(_quantized_state(quantized), before)
+    assert same_bits(_quantized_state(quantized), before)
     _check_dtypes(quantized)
     logits = quantized(input_ids).logits
     assert logits.dtype == dtype and torch.isfinite(logits).all()
@@ -128,7 +108,7 @@ def test_cast_layer_equals_the_fp32_layer_rounded(scheme):
         cast = copy.deepcopy(layer).to(dtype)
         expected = layer(xd.float()).to(dtype)
         assert torch.equal(cast(xd), expected) and torch.equal(cast(xd.float()), expected)
-        assert _same_bits(_quantized_state(cast), _quantized_state(layer))
+        assert same_bits(_quantized_state(cast), _quantized_state(layer))
     assert torch.equal(copy.deepcopy(layer).half().float()(x), layer(x))
 
 
@@ -138,7 +118,7 @@ def test_device_moves_move_payloads_with_their_dtypes(quantized):
     _check_dtypes(meta)
     before = _quantized_state(quantized)
     quantized.to("cpu")
-    assert _same_bits(_quantized_state(quantized), before)
+    assert same_bits(_quantized_state(quantized), before)
 
 
 def test_state_dict_round_trip_into_a_fresh_model(quantized, input_ids):
@@ -151,9 +131,9 @@ def test_state_dict_round_trip_into_a_fresh_model(quantized, input_ids):
     sd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     assert sd[next(k for k in sd if k.endswith("q_proj.weight_packed"))].dtype == torch.uint8
     fresh = _quantize_online(scheme, input_ids, seed=1).bfloat16()
-    assert not _same_bits(_quantized_state(fresh), _quantized_state(quantized))  # other weights
+    assert not same_bits(_quantized_state(fresh), _quantized_state(quantized))  # other weights
     fresh.load_state_dict(sd, strict=True)
-    assert _same_bits(_quantized_state(fresh), _quantized_state(quantized))
+    assert same_bits(_quantized_state(fresh), _quantized_state(quantized))
     got, want = fresh(input_ids).logits, quantized(input_ids).logits
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 

@@ -9,20 +9,12 @@ import json
 
 import pytest
 import torch
-from inference_helpers import read_tensors, tiny_llama
+from inference_helpers import CASTS, quantized_state, read_tensors, same_bits, tiny_llama
 from torch import nn
 
 import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import QuantizedLinear, quantize_checkpoint
-
-CASTS = {
-    ".to(torch.bfloat16)": (lambda m: m.to(torch.bfloat16), torch.bfloat16),
-    ".bfloat16()": (lambda m: m.bfloat16(), torch.bfloat16),
-    ".half()": (lambda m: m.half(), torch.float16),
-    ".to(dtype=torch.float16)": (lambda m: m.to(dtype=torch.float16), torch.float16),
-    ".float()": (lambda m: m.bfloat16().float(), torch.float32),
-}
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +36,7 @@ def quantized(request, static_dir):
 
 def _quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every FP8 payload and scale, as raw bytes (bit-identity, whatever the dtype)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):
-            for k in ("weight", "weight_scale", "input_scale"):
-                t = getattr(m, k)
-                if t is not None:
-                    out[f"{name}.{k}"] = t.detach().clone()
-    return out
-
-
-def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
-    )
+    return quantized_state(model, QuantizedLinear, ("weight", "weight_scale", "input_scale"))
 
 
 @pytest.mark.parametrize("cast", list(CASTS))
@@ -65,7 +44,7 @@ def test_casts_keep_payloads_and_change_the_output_dtype(quantized, cast, input_
     fn, dtype = CASTS[cast]
     before = _quantized_state(quantized)
     assert fn(quantized) is quantized
-    assert _same_bits(_quantized_state(quantized), before)
+    assert same_bits(_quantized_state(quantized), before)
     assert all(t.dtype == torch.float8_e4m3fn for k, t in before.items() if k.endswith(".weight"))
     logits = quantized(input_ids).logits  # the forward that broke: size mismatch after an upcast payload
     assert logits.dtype == dtype and torch.isfinite(logits).all()
@@ -92,7 +71,7 @@ def test_device_moves_move_payloads_with_their_dtypes(quantized):
         assert m.weight_scale.dtype == torch.float32
     before = _quantized_state(quantized)
     quantized.to("cpu")
-    assert _same_bits(_quantized_state(quantized), before)
+    assert same_bits(_quantized_state(quantized), before)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -103,7 +82,7 @@ def test_to_cuda_and_back(quantized, input_ids):
     assert all(t.device.type == "cuda" for t in _quantized_state(quantized).values())
     got = quantized(input_ids.cuda()).logits.cpu()
     assert (got - ref).norm() / ref.norm() < 1e-2
-    assert _same_bits(_quantized_state(quantized.cpu()), before)
+    assert same_bits(_quantized_state(quantized.cpu()), before)
 
 
 def test_state_dict_round_trip(quantized, static_dir, input_ids):
@@ -116,7 +95,7 @@ def test_state_dict_round_trip(quantized, static_dir, input_ids):
             m.weight.zero_()
             m.weight_scale.fill_(1.0)
     assert other.load_state_dict(sd, strict=True)
-    assert _same_bits(_quantized_state(other), _quantized_state(quantized))
+    assert same_bits(_quantized_state(other), _quantized_state(quantized))
     assert torch.equal(other(input_ids).logits, quantized(input_ids).logits)
 
 
@@ -189,7 +168,7 @@ def test_save_after_a_cast_keeps_payloads_and_records_the_dtype(static_dir, tmp_
             assert written[k].dtype == torch.bfloat16 and torch.equal(written[k], t.to(torch.bfloat16))
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     again = mixprec.load_quantized(tmp_path / "bf16")
-    assert _same_bits(_quantized_state(again), _quantized_state(model))
+    assert same_bits(_quantized_state(again), _quantized_state(model))
     assert again(input_ids).logits.dtype == torch.bfloat16
 
 
