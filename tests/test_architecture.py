@@ -15,9 +15,12 @@ below keeps the two equal.
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "mixprec"
@@ -322,3 +325,20 @@ def test_strings_that_only_look_like_modules_are_not_imports():
     assert [i.target for i in imports_of("mixprec.formats", 'X = "mixprec.comparison.runner:compare"\n')] == [
         "mixprec.comparison.runner"
     ]
+
+
+LAZY_PACKAGES = ("mixprec", "mixprec.training", "mixprec.inference")
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_every_lazy_export_resolves_to_what_its_table_names(package):
+    """Each public name of a lazy namespace is importable by its dotted name and is the very object its
+    table entry ("module:attribute") names: a typo in the table would surface only when a user asks."""
+    namespace = importlib.import_module(package)
+    table = namespace._EXPORTS
+    assert set(namespace.__all__) >= set(table)
+    for name, entry in table.items():
+        module, attr = entry.split(":")
+        assert getattr(namespace, name) is getattr(importlib.import_module(module), attr), (package, name)
+    for name, module in getattr(namespace, "_MODULES", {}).items():
+        assert getattr(namespace, name) is importlib.import_module(module), (package, name)
