@@ -26,7 +26,7 @@ import torch
 from mixprec.comparison.runner import compare, load_inputs, run_specs
 from mixprec.comparison.summary import summarize
 from mixprec.comparison.training_run import train_run
-from mixprec.demo import CONTROLS, DETECTED, REAL_RECIPES, demo_config, training_gate
+from mixprec.demo import CONTROLS, REAL_RECIPES, demo_config, training_gate
 from mixprec.training.fp8_linear import Fp8Linear
 from mixprec.verdicts import DIFFERENT, EQUIVALENT, WORSE
 
@@ -50,8 +50,11 @@ def test_the_demo_settles_what_it_promises(demo_run):
         r = recipes[name]
         assert r.loss_verdicts == {"train": EQUIVALENT, "val": EQUIVALENT}, (name, r.reasons)
         assert r.verdict == EQUIVALENT
-    for name in CONTROLS:
-        assert recipes[name].verdict in DETECTED, (name, recipes[name].reasons)
+    for name in CONTROLS:  # both measured above bf16 at seed 0 (docs/compare.md): worse, not different
+        assert recipes[name].verdict == WORSE and recipes[name].direction == "higher", (
+            name,
+            recipes[name].reasons,
+        )
     assert training_gate({name: r.verdict for name, r in recipes.items()})
     band = summary.bands["bf16"]
     assert band["null_check"]["verdict"] == EQUIVALENT, band["null_check"]

@@ -2,8 +2,8 @@
 
 1. training_step: a short comparison (bf16, fp8-delayed and fp8-current, each with three rounding-level
    null runs of itself; two known-harmful controls, the gross fp8-unscaled and the subtle
-   fp4-nvfp4, every recipe judged at FP8's 0.25 % margin) of the built-in small Llama on the Python standard library sources
-   (`mixprec.compare`), keeping the bf16-trained model. It passes when both real recipes are
+   fp4-nvfp4; every recipe judged at FP8's 0.25 % margin) of the built-in small Llama on the Python
+   standard library sources (`mixprec.compare`), keeping the bf16-trained model. It passes when both real recipes are
    `equivalent` on the train and held-out losses and both controls are detected.
 2. inference_step: that model exported (mixprec.comparison.export), quantized to FP8
    (mixprec.inference.quantize_checkpoint, scheme fp8-dynamic) and evaluated against its bf16 self on

@@ -26,7 +26,7 @@ from mixprec.comparison.config import (
 )
 from mixprec.comparison.export import check_exportable, export_trained, write_heldout
 from mixprec.comparison.outdir import stored_config
-from mixprec.comparison.page import detectable_line, null_check_line, verdict_label
+from mixprec.comparison.page import JUDGED, detectable_line, null_check_line, verdict_label
 from mixprec.comparison.runner import compare
 from mixprec.distributed.prepare import DataParallel
 from mixprec.distributed.world import broadcast_object, is_main_process
@@ -260,9 +260,7 @@ def print_summary(summary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    which = {"both": "train and held-out losses", "train": "train loss", "val": "held-out loss"}[
-        summary.verdict_loss
-    ]
+    which = JUDGED[summary.verdict_loss]
     table = Table(title=f"mixprec compare (verdict on the {which}, against the null runs' band)")
     for col in ("recipe", "baseline", "train gap", "val gap", "train interval", "val interval", "detectable t/v",
                 "margin", "sat. peak", "underflow peak", "NaN", "verdict"):  # fmt: skip

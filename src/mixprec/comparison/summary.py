@@ -281,13 +281,15 @@ def _band(
             "window_steps": window_length(steps), "evolution": evolution}  # fmt: skip
     if margin is not None:
         band["margin"] = margin
-        for loss in LOSSES:
+        for loss in LOSSES:  # one run of a recipe against this band: an interval as wide as the band
             half = band[f"half_width_{loss}"]
             one_run = (
-                None if half is None else Interval(0.0, -half, half, 0.95, len(members), dof=len(members) - 1)
+                Interval(0.0, -half, half, 0.95, len(members), dof=len(members) - 1)
+                if half is not None
+                else None
             )
             band[f"detectable_{loss}"] = (
-                None if one_run is None else detectable_effect(one_run, margin=margin)
+                detectable_effect(one_run, margin=margin) if one_run is not None else None
             )
     return band
 
@@ -323,15 +325,13 @@ def null_check(
         val_gap=_gap(finals[candidate][1], finals[base][1]), max_smoothed_gap=None, max_smoothed_gap_step=None,
         noise_train=None, noise_val=None, noise_max_smoothed_gap=None, margin=margin, verdict=BASELINE,
     )  # fmt: skip
-    intervals, verdicts = {}, {}
     for loss in config.judged_losses():
         interval = decided_interval(probe, curves[candidate], curves[base], config, band, loss=loss)
-        intervals[loss] = None if interval is None else interval.to_dict()
-        verdicts[loss] = (
-            WORSE if interval is None else decide_equivalence(interval.low, interval.high, margin=margin)
-        )
-    return {"run": candidate, "against": [base, *others], "margin": margin, "verdict": combine(list(verdicts.values())),
-            "loss_verdicts": verdicts, "intervals": intervals}  # fmt: skip
+        probe.intervals[loss] = None if interval is None else interval.to_dict()
+        probe.loss_verdicts[loss], _ = _loss_verdict(probe, loss)
+    return {"run": candidate, "against": [base, *others], "margin": margin,
+            "verdict": combine(list(probe.loss_verdicts.values())), "loss_verdicts": probe.loss_verdicts,
+            "intervals": probe.intervals}  # fmt: skip
 
 
 def summarize(records: list[dict], config: CompareConfig) -> ComparisonSummary:
