@@ -66,32 +66,9 @@ def add_model_and_data_arguments(parser: argparse.ArgumentParser, tokenizer_defa
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--recipes",
-        default=",".join(DEFAULT_RECIPES),
-        help="comma-separated recipe names (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=DEFAULT_STEPS, help="training steps per recipe (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
-    )
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument(
-        "--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: %(default)s)"
-    )
-    add_model_and_data_arguments(parser)
-    parser.add_argument(
-        "--out", default=None, help="output directory for summary.json, metrics.jsonl, report.html"
-    )
-    parser.add_argument(
-        "--baseline",
-        default=None,
-        help="judge every recipe against this one (default: bf16 vs fp32, fp8 vs bf16)",
-    )
+def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the runs are judged: margins, precision limits, the losses judged, and the gate (--strict,
+    --accept-better)."""
     parser.add_argument(
         "--margin-16bit",
         "--threshold-bf16",
@@ -137,6 +114,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "held-out loss), or train or val alone (the other is still reported) (default: %(default)s)",
     )
     parser.add_argument(
+        "--strict", action="store_true", help="an inconclusive verdict fails too (exit code 1)"
+    )
+    parser.add_argument(
+        "--accept-better",
+        action="store_true",
+        help="a recipe whose loss is lower than its baseline's by more than the margin (verdict "
+        "'different') passes; off by default: a precision change that helps that much changed something "
+        "other than rounding (a frozen layer can lower the loss). With --strict, inconclusive still fails",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recipes",
+        default=",".join(DEFAULT_RECIPES),
+        help="comma-separated recipe names (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="training steps per recipe (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: %(default)s)"
+    )
+    add_model_and_data_arguments(parser)
+    parser.add_argument(
+        "--out", default=None, help="output directory for summary.json, metrics.jsonl, report.html"
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="judge every recipe against this one (default: bf16 vs fp32, fp8 vs bf16)",
+    )
+    parser.add_argument(
         "--policy",
         choices=POLICIES,
         default="default",
@@ -167,16 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-noise", action="store_true", help="no null runs and no data-order run (--null-runs 0)"
     )
-    parser.add_argument(
-        "--strict", action="store_true", help="an inconclusive verdict fails too (exit code 1)"
-    )
-    parser.add_argument(
-        "--accept-better",
-        action="store_true",
-        help="a recipe whose loss is lower than its baseline's by more than the margin (verdict "
-        "'different') passes; off by default: a precision change that helps that much changed something "
-        "other than rounding (a frozen layer can lower the loss). With --strict, inconclusive still fails",
-    )
+    add_verdict_arguments(parser)
     parser.add_argument(
         "--monitor-every",
         type=int,
