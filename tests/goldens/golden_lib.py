@@ -139,8 +139,7 @@ def _save_case(source: Path, out: Path, calib_kw: dict, scheme, format: str = "c
     import transformers
 
     from mixprec.hf import load_tokenizer
-    from mixprec import save_quantized
-    from mixprec.inference import quantize_model_
+    from mixprec import quantize_model_, save_quantized
 
     model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     tok = load_tokenizer(source)
