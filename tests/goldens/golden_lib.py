@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -37,10 +36,17 @@ RUN_DEPENDENT = ("seconds", "data", "producer")
 def cpu_kind() -> str:
     """The CPU features that choose torch's kernels: AMX, AVX-512 BF16, AVX-512, AVX2."""
     try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+        flags = next(
+            ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+        ).split()
     except (OSError, StopIteration):
         return "unknown"
-    for flag, kind in (("amx_bf16", "amx"), ("avx512_bf16", "avx512-bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+    for flag, kind in (
+        ("amx_bf16", "amx"),
+        ("avx512_bf16", "avx512-bf16"),
+        ("avx512f", "avx512"),
+        ("avx2", "avx2"),
+    ):
         if flag in flags:
             return kind
     return "other"
@@ -88,7 +94,11 @@ CHECKPOINT_CASES = [
     ("quantize-fp8-block-ct", "quantize", {"scheme": "fp8-block"}),
     ("quantize-fp8-block-hf", "quantize", {"scheme": "fp8-block", "format": "hf-fp8"}),
     ("quantize-fp8-static-kv-ct", "quantize", {"scheme": "fp8-static", "kv_cache": "fp8", "calib": True}),
-    ("quantize-fp8-static-layerwise-ct", "quantize", {"scheme": "fp8-static", "calib": True, "layer_by_layer": True}),
+    (
+        "quantize-fp8-static-layerwise-ct",
+        "quantize",
+        {"scheme": "fp8-static", "calib": True, "layer_by_layer": True},
+    ),
     ("quantize-nvfp4-ct", "quantize", {"scheme": "nvfp4", "calib": True}),
     ("quantize-nvfp4a16-ct", "quantize", {"scheme": "nvfp4a16"}),
     ("quantize-mxfp4-ct", "quantize", {"scheme": "mxfp4"}),
@@ -121,7 +131,9 @@ def run_checkpoint_case(name: str, tmp: Path, source: Path, calib: Path) -> dict
     _, producer, args = next(c for c in CHECKPOINT_CASES if c[0] == name)
     args = dict(args)
     out = tmp / name
-    calib_kw = {"calib_data": calib, "calib_samples": 16, "calib_seq_len": 32} if args.pop("calib", False) else {}
+    calib_kw = (
+        {"calib_data": calib, "calib_samples": 16, "calib_seq_len": 32} if args.pop("calib", False) else {}
+    )
     to = args.pop("to", None)
     if producer == "save":
         return _save_case(source, out, calib_kw, **args)
@@ -135,11 +147,13 @@ def run_checkpoint_case(name: str, tmp: Path, source: Path, calib: Path) -> dict
     return directory_digests(out)
 
 
-def _save_case(source: Path, out: Path, calib_kw: dict, scheme, format: str = "compressed-tensors") -> dict[str, str]:
+def _save_case(
+    source: Path, out: Path, calib_kw: dict, scheme, format: str = "compressed-tensors"
+) -> dict[str, str]:
     import transformers
 
-    from mixprec.hf import load_tokenizer
     from mixprec import quantize_model_, save_quantized
+    from mixprec.hf import load_tokenizer
 
     model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     tok = load_tokenizer(source)
@@ -151,7 +165,11 @@ def _save_case(source: Path, out: Path, calib_kw: dict, scheme, format: str = "c
         for s, names in groups.items():
             quantize_model_(model, s, ignore=[f"re:^{n}$" for n in every if n not in names])
     else:
-        kw = {"calib_data": calib_kw["calib_data"], "tokenizer": tok, "calib_samples": 16, "calib_seq_len": 32} if calib_kw else {}
+        kw = (
+            {"calib_data": calib_kw["calib_data"], "tokenizer": tok, "calib_samples": 16, "calib_seq_len": 32}
+            if calib_kw
+            else {}
+        )
         quantize_model_(model, scheme, **kw)
     save_quantized(model, out, format=format, tokenizer=tok)
     return directory_digests(out)
@@ -165,7 +183,11 @@ TRAINING_RECIPES = ("fp32", "bf16", "fp16-amp", "fp8-delayed", "fp8-current", "f
 
 
 def _float_bits(x) -> str:
-    return "nan" if x is None else torch.tensor(float(x), dtype=torch.float64).view(torch.int64).item().__format__("x")
+    return (
+        "nan"
+        if x is None
+        else torch.tensor(float(x), dtype=torch.float64).view(torch.int64).item().__format__("x")
+    )
 
 
 def run_training_case(recipe: str) -> str:
@@ -182,7 +204,13 @@ def run_training_case(recipe: str) -> str:
     result = train_run(spec, model, data)
     h = hashlib.sha256()
     for row in result.records:
-        h.update(json.dumps({k: (_float_bits(v) if isinstance(v, float) else v) for k, v in sorted(row.items())}, sort_keys=True, default=str).encode())
+        h.update(
+            json.dumps(
+                {k: (_float_bits(v) if isinstance(v, float) else v) for k, v in sorted(row.items())},
+                sort_keys=True,
+                default=str,
+            ).encode()
+        )
     for k, v in sorted(result.model.state_dict().items()):
         h.update(k.encode())
         h.update(_tensor_bytes(v))
@@ -206,7 +234,9 @@ def run_step_case(recipe: str) -> str:
                         vocab_size=TRAINING_DATA["vocab_size"], max_val_blocks=TRAINING_DATA["val_blocks"])  # fmt: skip
     model = build_reference_model(data.vocab_size, 1, ReferenceModelConfig(**TRAINING_MODEL))
     convert_for_training(model, recipe)
-    step = TrainingStep(model, AdamW(model.parameters(), lr=2e-3), grad_accumulation_steps=2, max_grad_norm=0.5)
+    step = TrainingStep(
+        model, AdamW(model.parameters(), lr=2e-3), grad_accumulation_steps=2, max_grad_norm=0.5
+    )
     h = hashlib.sha256()
     for micro in range(12):
         loss = lm_loss(model, train_batch(data, 2, micro, 3))
@@ -237,7 +267,9 @@ def main() -> None:
 
     doc = json.loads(GOLDENS.read_text()) if GOLDENS.exists() else {"kinds": {}}
     src = Path(mixprec.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=src).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=src
+    ).stdout.strip()
     if doc.setdefault("base_commit", commit) != commit:
         sys.exit(f"goldens.json holds digests of {doc['base_commit']}; mixprec here is {commit}")
     doc["torch"] = torch.__version__

@@ -7,10 +7,9 @@ import json
 import tempfile
 from pathlib import Path
 
+import golden_lib as g
 import pytest
 import torch
-
-import golden_lib as g
 
 pytest.importorskip("transformers")
 GOLDENS = json.loads(g.GOLDENS.read_text())
