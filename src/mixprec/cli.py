@@ -24,6 +24,7 @@ from mixprec.commands import (
     torchrun,
 )
 from mixprec.errors import MixprecError
+from mixprec.ranks import launched_rank
 
 COMMANDS = (
     compare,
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         refusal = torchrun.refuse_reason(args.command, args._torchrun)
-        if refusal and torchrun.launched_rank() != 0:
+        if refusal and launched_rank() != 0:
             # Every rank meets this refusal (it depends on WORLD_SIZE only) and rank 0 reports it. A
             # rank that exited non-zero first would make torchrun kill rank 0 before it could print,
             # so the other ranks leave quietly and the job fails with rank 0's exit code 2.
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except MixprecError as err:
         if args.debug:
             raise
-        if torchrun.launched_rank() == 0:  # under torchrun every rank meets the same error: rank 0 says it
+        if launched_rank() == 0:  # under torchrun every rank meets the same error: rank 0 says it
             print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

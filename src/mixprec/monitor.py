@@ -40,6 +40,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import Format, get_format
+from mixprec.ranks import is_main_process
 from mixprec.scaling import Granularity, apply_blockwise, as_2d
 
 ROLES = ("input", "weight", "grad_output")
@@ -190,11 +191,6 @@ def _bad_kind(t: torch.Tensor) -> str:
     return "nan" if bool(torch.isnan(t).any()) else "inf"
 
 
-def _is_main_process() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 @dataclass
 class PrecisionMonitor:
     """Attach to a model; see the module docstring for the loop it expects."""
@@ -228,7 +224,7 @@ class PrecisionMonitor:
         self._hooks: list[Any] = []
         self._jsonl = None
         self._tb = None
-        self._main = _is_main_process()
+        self._main = is_main_process()
         self._params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if self.watch_activations:
             self._install_activation_hooks()

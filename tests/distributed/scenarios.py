@@ -66,9 +66,9 @@ def train(model, optimizer, steps, dp, *, start: int = 0, hooks=None, dtype=torc
         if not skip:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # reduces the amax rows over the ranks first (one all_reduce: the reduction DataParallel.wrap
-        # registered), unless a hook names another reduction or none (False)
-        scaling_state.advance(unwrap(model), reduce=hooks.get("reduce"))
+        # reduces the amax rows over the ranks first (one all_reduce: the DataParallel's reduction),
+        # unless a hook names another reduction or none (False)
+        scaling_state.advance(unwrap(model), reduce=hooks.get("reduce", dp.reduce_amax))
         losses.append(dp.mean(loss) if not skip else float("nan"))
         skipped.append(skip)
         if "after_step" in hooks:
@@ -148,7 +148,7 @@ def _count_amax_collectives(dp, model, opt) -> list[int]:
 
     dist.all_reduce = count
     try:
-        advance_scaling_state(unwrap(model))  # the amax reduction dp.wrap registered runs by default
+        advance_scaling_state(unwrap(model), reduce=dp.reduce_amax)
     finally:
         dist.all_reduce = real
     return calls
@@ -351,7 +351,7 @@ def scenario_ddp_accumulation(rank, world, tmp):
             total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        advance_scaling_state(unwrap(model))
+        advance_scaling_state(unwrap(model), reduce=dp.reduce_amax)
         losses.append(dp.mean(total / 2))
     return {"losses": losses, "replicas_identical": replicas_identical(model)}
 
@@ -365,7 +365,7 @@ def scenario_plain_ddp(rank, world, tmp):
 
     model = DistributedDataParallel(build("fp8-delayed:history=16"))
     opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, accumulate_grads_fp32=False)
-    # a DDP mixprec did not build registers no amax reduction: the loop passes it
+    # a DDP mixprec did not build: the loop passes the amax reduction itself
     out = train(model, opt, 3, DataParallel("ddp"), hooks={"reduce": reduce_amax})
     out["replicas_identical"] = replicas_identical(model)
     return out

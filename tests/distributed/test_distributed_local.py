@@ -16,7 +16,6 @@ from mixprec.distributed import (
     mean_across_ranks,
     rank,
     reduce_amax,
-    register_amax_reduction,
     save_checkpoint,
     shard_batch,
     should_skip_step,
@@ -58,27 +57,91 @@ def test_amax_tensors_are_the_current_rows_of_delayed_layers():
     assert reduce_amax(model) == 0  # one process: nothing to reduce
 
 
-def test_the_amax_reduction_is_passed_in_or_registered_by_the_wrapping():
-    """training does not import distributed: advance() runs the reduction it is given, else the one the
-    data-parallel wrapping registered on the model (or on the module a DDP wraps); False runs none."""
-    from mixprec.training import advance_scaling_state, scaling_state
+def test_the_amax_reduction_is_passed_in_never_registered():
+    """training does not import distributed: advance() runs the reduction it is given, and only that one
+    (nothing is registered on the model); TrainingStep takes it from the data-parallel object."""
+    from mixprec.training import TrainingStep, advance_scaling_state, scaling_state
 
     model = scenarios.build("fp8-delayed:history=16")
     calls = []
     assert scaling_state.advance(model, reduce=calls.append) == 2 and calls == [model]
-    assert scaling_state.amax_reduction(model) is None
-    register_amax_reduction(model)
-    assert scaling_state.amax_reduction(model).func is reduce_amax  # all_reduce(MAX), default group
-    scaling_state.use_amax_reduction(model, calls.append)
     advance_scaling_state(model)
-    assert calls == [model, model]
     advance_scaling_state(model, reduce=False)
-    assert calls == [model, model]
-    wrapper = torch.nn.Module()
-    wrapper.module = model  # how DistributedDataParallel holds the model
-    assert scaling_state.amax_reduction(wrapper) is scaling_state.amax_reduction(model)
-    scaling_state.use_amax_reduction(model, None)
-    assert scaling_state.amax_reduction(model) is None
+    assert calls == [model]
+    assert not hasattr(scaling_state, "use_amax_reduction")
+    dp = DataParallel("none")
+    step = TrainingStep(model, AdamW(model.parameters()), parallel=dp)
+    assert step.reduce == dp.reduce_amax  # bound into the step
+    assert TrainingStep(model, AdamW(model.parameters()), parallel=dp, reduce=False).reduce is False
+
+
+class FakeParallel:
+    """A data-parallel double: says what the other ranks would say, and records what the step asks."""
+
+    def __init__(self, others_skip: bool) -> None:
+        self.others_skip = others_skip
+        self.asked: list[tuple] = []
+
+    def shard(self, batch):
+        return batch[: len(batch) // 2]
+
+    def skip(self, loss=None, optimizer=None, *, local_flag=False):
+        self.asked.append(("skip", local_flag))
+        return local_flag or self.others_skip
+
+    def reduce_amax(self, model):
+        self.asked.append(("reduce", model))
+
+    def clip(self, model, optimizer, max_norm):
+        self.asked.append(("clip", max_norm))
+        return torch.tensor(0.5)
+
+
+@pytest.mark.parametrize("others_skip", [False, True])
+def test_the_training_step_takes_sharding_skips_clipping_and_reduction_from_the_parallel_object(
+    others_skip,
+):
+    from mixprec.training import TrainingStep
+
+    model = scenarios.build("fp8-delayed:history=16")
+    before = [p.detach().clone() for p in model.parameters()]
+    parallel = FakeParallel(others_skip)
+    step = TrainingStep(model, AdamW(model.parameters(), lr=1e-2), max_grad_norm=1.0, parallel=parallel)
+    x, y = scenarios.global_batch(0)
+    assert step.shard(x).shape[0] == x.shape[0] // 2
+    loss = torch.nn.functional.mse_loss(model(step.shard(x).to(torch.bfloat16)).float(), step.shard(y))
+    info = step.backward(loss)
+    moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert int(model.inp.scaling_step) == 1  # the scaling state advances, skipped or not
+    if others_skip:  # another rank saw a NaN: this one skips too, though its own step was fine
+        assert info == {"skipped": True} and not moved
+        assert parallel.asked == [("skip", False), ("reduce", model)]
+    else:
+        assert info == {"grad_norm": 0.5} and moved
+        assert parallel.asked == [("skip", False), ("clip", 1.0), ("reduce", model)]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_training_step_refuses_what_is_no_parallel_object():
+    from mixprec.training import TrainingStep
+
+    model = scenarios.build("bf16")
+    with pytest.raises(MixprecError, match="shard, skip, reduce_amax and clip"):
+        TrainingStep(model, AdamW(model.parameters()), parallel=object())
+
+
+def test_one_sharding_rule_contiguous_slices(monkeypatch):
+    """shard_batch is the rule every loop uses (DataParallel.shard, TrainingStep.shard, the comparison):
+    rank r of N takes rows r*B/N .. (r+1)*B/N; in one process the batch itself."""
+    from mixprec.distributed import world
+
+    batch = torch.arange(8)
+    assert DataParallel("none").shard(batch) is batch
+    monkeypatch.setattr(world, "world_size", lambda group=None: 4)
+    monkeypatch.setattr(world, "rank", lambda group=None: 1)
+    assert DataParallel("none").shard(batch).tolist() == [2, 3]
+    with pytest.raises(MixprecError, match="multiple of 4"):
+        shard_batch(torch.arange(6))
 
 
 def _steps(model, opt, start, n):

@@ -14,29 +14,14 @@ rank 0 alone prints and writes. Every other command refuses a multi-process laun
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from mixprec.distributed.world import device_for_rank, init_from_env, launched_by_torchrun, world_size
+from mixprec.distributed.world import device_for_rank, init_from_env
 from mixprec.errors import MixprecError
-
-
-def launched_world_size() -> int:
-    """How many processes torchrun started for this job (1 outside torchrun); read before any work."""
-    if not launched_by_torchrun():
-        return 1
-    try:
-        return int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        raise MixprecError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
-
-
-def launched_rank() -> int:
-    """This process's rank in the job torchrun started (0 outside torchrun): the one that prints."""
-    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+from mixprec.ranks import is_distributed, launched_world_size, world_size
 
 
 def refuse_reason(command: str, data_parallel: bool) -> str | None:
@@ -60,7 +45,7 @@ def session() -> Iterator[int]:
     try:
         yield world_size()
     finally:
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             dist.destroy_process_group()
 
 

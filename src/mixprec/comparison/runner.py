@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mixprec import ranks
 from mixprec.comparison import outdir
 from mixprec.comparison.config import (
     DEFAULT_RECIPES,
@@ -138,7 +139,7 @@ def compare(
             raise MixprecError(f"compare: {exc}") from None
     config.validate()
     out_path = Path(out) if out is not None else None
-    rank, world = _rank_world()
+    rank, world = ranks.rank(), ranks.world_size()
     if out_path is not None:
         # every rank checks (read-only, same answer everywhere), so no rank waits alone in a collective
         outdir.check_out_dir(out_path, config, resume=resume, force=force)
@@ -187,15 +188,6 @@ def compare(
         write_artefacts(out_path, summary, records)
         outdir.finish(out_path)
     return summary
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch
-
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
 
 
 def _barrier(world: int) -> None:

@@ -6,10 +6,13 @@ The run converts a copy of the base model (same initial weights for every recipe
 mixprec.optim.AdamW (fp32 master weights, bf16 moments for bf16 parameters), takes batch `s` from the
 deterministic data order (a function of the order seed and the step only), evaluates the held-out loss
 every `eval_every` steps, runs the PrecisionMonitor, skips steps with NaN/inf, advances the FP8 scaling
-state once per optimizer step and checkpoints so that a resumed run continues bit-identically.
+state once per optimizer step and checkpoints so that a resumed run continues bit-identically. Each step
+is mixprec.training.TrainingStep's (clipping, loss scaling, the optimizer step, the scaling advance):
+this module sets up, checks, records, evaluates and checkpoints around it.
 
-Under torch.distributed (only if a process group is initialized) each rank takes its slice of every
-batch; the logged loss is the mean over ranks; a NaN/inf seen by one rank makes every rank skip the step.
+Under torch.distributed (only if a process group is initialized) each rank takes its contiguous slice of
+every batch (DataParallel.shard, the one sharding rule); the logged loss is the mean over ranks; a NaN/inf
+seen by one rank makes every rank skip the step; delayed scaling reduces its amaxes over the ranks.
 Wrapping the model (DDP / FSDP2) is the caller's: pass `prepare=` (called on the converted model, returns
 the model to train); the optimizer is built AFTER it, on the wrapped model's parameters (FSDP2 replaces
 them by DTensor shards), and `prepare.attach(model, optimizer)` connects the two when `prepare` has it
@@ -27,27 +30,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec import ranks
 from mixprec.data import TokenizedData, train_batch
 from mixprec.distributed.checkpoint import load_checkpoint as load_shards
 from mixprec.distributed.checkpoint import save_checkpoint
-from mixprec.distributed.fsdp import clip_grad_norm_ as clip_sharded
-from mixprec.distributed.nan_guard import any_rank
+from mixprec.distributed.prepare import DataParallel
 from mixprec.errors import MixprecError
 from mixprec.files import atomic_file
 from mixprec.models import lm_loss
 from mixprec.monitor import PrecisionMonitor
 from mixprec.recipes import from_name
-from mixprec.training import (
-    advance_scaling_state,
-    clip_grad_norm_,
-    conversion_state,
-    convert_for_training,
-    make_grad_scaler,
-)
+from mixprec.training import TrainingStep, convert_for_training
 from mixprec.training.optim import AdamW
 from mixprec.training.policy import Policy
 
@@ -97,22 +95,6 @@ def lr_at(step: int, spec: RunSpec) -> float:
     span = max(1, spec.steps - spec.warmup)
     progress = min(1.0, (step - spec.warmup) / span)
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _dist() -> tuple[int, int]:
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
-
-
-def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    _, world = _dist()
-    if world > 1:
-        x = x.detach().clone()
-        torch.distributed.all_reduce(x)
-        x /= world
-    return x
 
 
 @torch.no_grad()
@@ -226,11 +208,127 @@ def _load_distributed(path: Path, model, optimizer, scaler) -> tuple[int, list[d
     return int(extra["step"]), json.loads(extra["records"])
 
 
-def _clip(model: nn.Module, optimizer, max_norm: float, sharded: bool, clip_plain) -> torch.Tensor:
-    """Global-norm clipping; over FSDP2 shards the norm needs one all_reduce (fsdp.clip_grad_norm_)."""
-    if sharded:
-        return clip_sharded(optimizer, max_norm)
-    return clip_plain(model, optimizer, max_norm)
+@dataclass
+class _Run:
+    """What one run trains with: the converted model, what the forward runs (the wrapping DDP / FSDP2
+    made of it, or the model), the optimizer, the training step and the data-parallel object it uses."""
+
+    model: nn.Module
+    train_model: nn.Module
+    optimizer: AdamW
+    step: TrainingStep
+    parallel: DataParallel
+    conversion: list[dict]
+
+
+def _set_up(spec: RunSpec, base_model: nn.Module, prepare: Callable | None) -> _Run:
+    """Copy, perturb (null runs), convert, wrap, THEN build the optimizer (FSDP2 replaces every
+    parameter by a DTensor shard) and the training step around it."""
+    model = copy.deepcopy(base_model).to(spec.device)
+    if spec.perturb_seed is not None:
+        perturb_weights(model, spec.perturb_seed, ulp_dtype_of(spec.recipe))
+    conversion = _convert(model, spec.recipe, spec.policy)
+    train_model = prepare(model) if prepare is not None else model
+    optimizer = AdamW(train_model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    attach = getattr(prepare, "attach", None)
+    if attach is not None:
+        attach(train_model, optimizer)  # DDP's fp32 gradient hook / FSDP2's DTensor moment rounding
+    train_model.train()
+    # a prepare= that is no DataParallel wraps only: ranks, skips and amaxes then agree over the default
+    # group (DataParallel "none" wraps nothing and works in one process as under torchrun)
+    parallel = prepare if isinstance(prepare, DataParallel) else DataParallel("none")
+    # fp16-amp: TrainingStep builds the recipe's GradScaler (make_grad_scaler); others have none
+    step = TrainingStep(model, optimizer, max_grad_norm=spec.max_grad_norm, parallel=parallel)
+    return _Run(model, train_model, optimizer, step, parallel, conversion)
+
+
+def _checkpoint_location(checkpoint_path: str | os.PathLike | None) -> Path | None:
+    """<run>.pt in one process; with more than one rank the directory of per-rank shards <run>.dist."""
+    if checkpoint_path is None:
+        return None
+    ckpt = Path(checkpoint_path)
+    return distributed_checkpoint_path(ckpt) if ranks.world_size() > 1 else ckpt
+
+
+def _resume(run: _Run, ckpt: Path | None) -> tuple[int, list[dict]]:
+    """The step a checkpoint left off at and the records up to it (0 and none without a checkpoint)."""
+    if ckpt is None or not ckpt.exists():
+        return 0, []
+    scaler = run.step.scaler
+    if ranks.world_size() > 1:
+        return _load_distributed(ckpt, run.train_model, run.optimizer, scaler)
+    payload = load_checkpoint(ckpt)
+    run.model.load_state_dict(payload["model"])
+    run.optimizer.load_state_dict(payload["optimizer"])
+    if scaler is not None and payload["scaler"]:
+        scaler.load_state_dict(payload["scaler"])
+    return int(payload["step"]), json.loads(payload["records"])
+
+
+def _checkpoint(run: _Run, spec: RunSpec, ckpt: Path | None, step: int, records: list[dict]) -> None:
+    if ckpt is None or not (step % spec.checkpoint_every == 0 or step == spec.steps):
+        return
+    if ranks.world_size() > 1:  # collective: every rank writes its own shard
+        _save_distributed(ckpt, step, run.train_model, run.optimizer, run.step.scaler, records)
+    else:
+        _save_checkpoint(ckpt, step, run.model, run.optimizer, run.step.scaler, records)
+
+
+def _monitor(run: _Run, spec: RunSpec) -> PrecisionMonitor:
+    # under loss scaling the gradients are scaled (and may overflow by design): the scaler judges them
+    monitor = PrecisionMonitor(
+        run.model, every=spec.monitor_every, optimizer=run.optimizer, check_gradients=run.step.scaler is None
+    )
+    if not spec.monitor:
+        monitor.layers = {}
+    return monitor
+
+
+@dataclass
+class _StepOutcome:
+    loss: torch.Tensor
+    info: dict  # TrainingStep.step's: grad_norm, skipped (loss scaling: loss_scale)
+    health: Any  # PrecisionMonitor.check_step's verdict on this rank
+    precision: list[dict]  # the monitor's rows of this step
+
+
+def _train_step(run: _Run, monitor: PrecisionMonitor, spec: RunSpec, data: TokenizedData, step: int):
+    """One optimizer step on batch `step` of the data order (this rank's share of it).
+
+    A NaN/inf the monitor sees in the loss or gradients skips the step (on every rank: the training
+    step agrees over them); fp16-amp's scaler may skip it too. The FP8 scaling state advances once per
+    step, skipped or not (its guards keep the previous scale when a skipped step saw amax inf/NaN).
+    """
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, spec)
+    batch = run.step.shard(train_batch(data, spec.batch_size, step - 1, spec.order_seed)).to(spec.device)
+    monitor.begin_step(step)
+    loss = lm_loss(run.train_model, batch)
+    run.step.accumulate(loss)
+    health = monitor.check_step(loss)
+    info = run.step.step(skip=not health.ok)
+    return _StepOutcome(loss, info, health, monitor.end_step())
+
+
+def _step_records(run: _Run, spec: RunSpec, step: int, outcome: _StepOutcome) -> list[dict]:
+    """The step row (the loss as the mean over ranks), the monitor's precision rows, a NaN event."""
+    loss = run.parallel.mean(outcome.loss.detach().float())
+    rows = [{"kind": "step", "run": spec.name, "step": step, "loss": loss, "lr": lr_at(step, spec),
+             "grad_norm": outcome.info.get("grad_norm"), "skipped": outcome.info.get("skipped", False)}]  # fmt: skip
+    rows.extend({"kind": "precision", "run": spec.name, **r} for r in outcome.precision)
+    if not outcome.health.ok:
+        bad = outcome.health.first_bad
+        rows.append({"kind": "nan_event", "run": spec.name, "step": step, "layer": bad.layer,
+                     "tensor": bad.tensor, "type": bad.kind})  # fmt: skip
+    return rows
+
+
+def _evaluation(run: _Run, spec: RunSpec, data: TokenizedData, step: int) -> list[dict]:
+    """The held-out loss row at step 0, every `eval_every` steps and at the last step."""
+    if step and step % spec.eval_every and step != spec.steps:
+        return []
+    val = evaluate_loss(run.model, data.val, spec.batch_size)
+    return [{"kind": "eval", "run": spec.name, "step": step, "val_loss": val}]
 
 
 def train_run(
@@ -247,127 +345,31 @@ def train_run(
 
     stop_after: stop (as if interrupted) after this many steps, leaving the checkpoint — for tests.
     """
-
-    rank, world = _dist()
-    model = copy.deepcopy(base_model).to(spec.device)
-    if spec.perturb_seed is not None:
-        perturb_weights(model, spec.perturb_seed, ulp_dtype_of(spec.recipe))
-    conversion = _convert(model, spec.recipe, spec.policy)
-    state = conversion_state(model)
-    loss_scaled = state is not None and state.kind == "fp16-amp"
-    scaler = make_grad_scaler(model) if loss_scaled else None
-    # convert, wrap, THEN build the optimizer: FSDP2 replaces every parameter by a DTensor shard
-    train_model = prepare(model) if prepare is not None else model
-    optimizer = AdamW(train_model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    attach = getattr(prepare, "attach", None)
-    if attach is not None:
-        attach(train_model, optimizer)  # DDP's fp32 gradient hook / FSDP2's DTensor moment rounding
-    train_model.train()
-    sharded = any(hasattr(p, "placements") for p in model.parameters())  # FSDP2 DTensor shards
-
-    records: list[dict] = []
-    start = 0
-    ckpt = Path(checkpoint_path) if checkpoint_path is not None else None
-    if ckpt is not None and world > 1:
-        ckpt = distributed_checkpoint_path(ckpt)
-    if ckpt is not None and ckpt.exists():
-        if world > 1:
-            start, records = _load_distributed(ckpt, train_model, optimizer, scaler)
-        else:
-            payload = load_checkpoint(ckpt)
-            model.load_state_dict(payload["model"])
-            optimizer.load_state_dict(payload["optimizer"])
-            if scaler is not None and payload["scaler"]:
-                scaler.load_state_dict(payload["scaler"])
-            records = json.loads(payload["records"])
-            start = int(payload["step"])
-    resumed_from = start
-
-    monitor = PrecisionMonitor(
-        model, every=spec.monitor_every, optimizer=optimizer, check_gradients=not loss_scaled
-    )
-    if not spec.monitor:
-        monitor.layers = {}
+    run = _set_up(spec, base_model, prepare)
+    ckpt = _checkpoint_location(checkpoint_path)
+    start, records = _resume(run, ckpt)
+    monitor = _monitor(run, spec)
     if start == 0:
-        records.append(
-            {
-                "kind": "eval",
-                "run": spec.name,
-                "step": 0,
-                "val_loss": evaluate_loss(model, data.val, spec.batch_size),
-            }
-        )
-
+        records.extend(_evaluation(run, spec, data, 0))
     train_seconds = 0.0
     try:
         for step in range(start + 1, spec.steps + 1):
             t0 = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, spec)
-            batch = train_batch(data, spec.batch_size, step - 1, spec.order_seed)
-            if world > 1:
-                batch = batch[rank::world]
-            batch = batch.to(spec.device)
-            monitor.begin_step(step)
-            loss = lm_loss(train_model, batch)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            health = monitor.check_step(loss)
-            skipped = not health.ok
-            if world > 1:  # one rank's NaN/inf (e.g. in its FSDP2 gradient shard) skips on every rank
-                skipped = any_rank(skipped)
-            grad_norm = None
-            if skipped:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                if spec.max_grad_norm is not None:
-                    grad_norm = float(_clip(model, optimizer, spec.max_grad_norm, sharded, clip_grad_norm_))
-                if scaler is not None:
-                    before = scaler.get_scale()
-                    scaler.step(optimizer)
-                    scaler.update()
-                    skipped = scaler.get_scale() < before
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            # the FP8 scaling state advances once per optimizer step (its guards keep the previous
-            # scale when a skipped step saw amax inf/NaN)
-            advance_scaling_state(model)
-            precision = monitor.end_step()
+            outcome = _train_step(run, monitor, spec, data, step)
             train_seconds += time.perf_counter() - t0
-            row = {"kind": "step", "run": spec.name, "step": step, "loss": float(_mean_over_ranks(loss.detach().float())),
-                   "lr": lr_at(step, spec), "grad_norm": grad_norm, "skipped": skipped}  # fmt: skip
-            records.append(row)
-            records.extend({"kind": "precision", "run": spec.name, **r} for r in precision)
-            if not health.ok:
-                bad = health.first_bad
-                records.append({"kind": "nan_event", "run": spec.name, "step": step, "layer": bad.layer,
-                                "tensor": bad.tensor, "type": bad.kind})  # fmt: skip
-            if step % spec.eval_every == 0 or step == spec.steps:
-                val = evaluate_loss(model, data.val, spec.batch_size)
-                records.append({"kind": "eval", "run": spec.name, "step": step, "val_loss": val})
-            if ckpt is not None and (step % spec.checkpoint_every == 0 or step == spec.steps):
-                if world > 1:  # collective: every rank writes its own shard
-                    _save_distributed(ckpt, step, train_model, optimizer, scaler, records)
-                else:
-                    _save_checkpoint(ckpt, step, model, optimizer, scaler, records)
+            records.extend(_step_records(run, spec, step, outcome))
+            records.extend(_evaluation(run, spec, data, step))
+            _checkpoint(run, spec, ckpt, step, records)
             if on_step is not None:
                 on_step(spec.name, step)
-            if stop_after is not None and step >= stop_after and step < spec.steps:
+            if stop_after is not None and stop_after <= step < spec.steps:
                 raise KeyboardInterrupt(f"stopped after step {step} (stop_after)")
     finally:
         monitor.close()
-    done = spec.steps - resumed_from
-    return RunResult(
-        name=spec.name,
-        recipe=spec.recipe,
-        records=records,
-        model=model,
-        seconds_per_step=train_seconds / done if done > 0 else float("nan"),
-        conversion=conversion,
-        resumed_from=resumed_from,
-    )
+    done = spec.steps - start
+    return RunResult(name=spec.name, recipe=spec.recipe, records=records, model=run.model,
+                     seconds_per_step=train_seconds / done if done > 0 else float("nan"),
+                     conversion=run.conversion, resumed_from=start)  # fmt: skip
 
 
 def restore_trained_model(

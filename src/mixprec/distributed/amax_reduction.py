@@ -12,20 +12,17 @@ the same way by every backend); the scaling state's guard keeps the previous sca
 Current-scaling recipes keep nothing across steps and need no reduction.
 
 The training wing does not import this service: the scaling state takes the reduction as an argument,
-and the data-parallel wrapping (wrap_ddp, shard_model, DataParallel) registers it on the model
-(register_amax_reduction), so `advance_scaling_state(model)` reduces without being told to.
+bound into the loop by `TrainingStep(model, optimizer, parallel=DataParallel(...))` (DataParallel's
+`reduce_amax`) or passed as `reduce=reduce_amax` (advance_scaling_state, MixprecTrainerCallback).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mixprec.distributed.world import device_for_rank, world_size
-from mixprec.training.scaling_state import use_amax_reduction
 
 
 def amax_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -79,12 +76,6 @@ def reduce_amax(model: nn.Module, group: dist.ProcessGroup | None = None) -> int
     return int(flat.numel())
 
 
-def register_amax_reduction(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Make every scaling-state advance of `model` reduce over `group` first, with no argument to pass
-    (mixprec.training.scaling_state.use_amax_reduction). The data-parallel wrapping calls it."""
-    use_amax_reduction(model, functools.partial(reduce_amax, group=group))
-
-
 def scales_agree(model: nn.Module, group: dist.ProcessGroup | None = None) -> bool:
     """True when every rank holds bit-identical amax/scale buffers (a check for tests and debugging)."""
     if world_size(group) == 1:
@@ -105,4 +96,4 @@ def scales_agree(model: nn.Module, group: dist.ProcessGroup | None = None) -> bo
     return bool(torch.equal(hi, lo))
 
 
-__all__ = ["amax_tensors", "reduce_amax", "register_amax_reduction", "scales_agree"]
+__all__ = ["amax_tensors", "reduce_amax", "scales_agree"]

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.distributed.amax_reduction import register_amax_reduction
 from mixprec.errors import MixprecError
+from mixprec.ranks import is_distributed, world_size
 
 
 class _HookState:
@@ -39,7 +39,7 @@ class _HookState:
 
 def _fp32_buffer_allreduce_hook(state, bucket):  # no annotations: DDP checks them against its own classes
     group = state.group
-    world = dist.get_world_size(group)
+    world = world_size(group)
     grad_of = getattr(state.optimizer, "grad", None)
     params = bucket.parameters()
     views = bucket.gradients()
@@ -98,12 +98,12 @@ def wrap_ddp(model: nn.Module, optimizer: Any = None, **ddp_kwargs: Any) -> Dist
     """DistributedDataParallel(model) for a model converted by mixprec (convert first, then wrap).
 
     Defaults: no buffer broadcast before each forward (forward_sync_buffers / broadcast_buffers=False:
-    amax reduction keeps the FP8 histories identical; it is registered on `model`, so every
-    advance_scaling_state(model) reduces first). With
+    amax reduction keeps the FP8 histories identical: pass reduce=reduce_amax to every scaling advance,
+    or train with TrainingStep(..., parallel=DataParallel("ddp")), which does). With
     `optimizer` (built on model.parameters() — DDP keeps the same Parameter objects) the fp32 gradient
     hook is registered; otherwise call register_fp32_grad_hook(ddp, optimizer) once you have one.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise MixprecError("wrap_ddp: torch.distributed is not initialized (launch with torchrun)")
     if isinstance(model, DistributedDataParallel):
         raise MixprecError("wrap_ddp: the model is already wrapped in DistributedDataParallel")
@@ -114,7 +114,6 @@ def wrap_ddp(model: nn.Module, optimizer: Any = None, **ddp_kwargs: Any) -> Dist
     ddp = DistributedDataParallel(model, **ddp_kwargs)
     # remembered to catch a conversion after wrapping (register_fp32_grad_hook refuses it)
     ddp._mixprec_wrapped_dtypes = tuple(p.dtype for p in model.parameters())
-    register_amax_reduction(model, ddp_kwargs.get("process_group"))
     if optimizer is not None:
         register_fp32_grad_hook(ddp, optimizer)
     return ddp

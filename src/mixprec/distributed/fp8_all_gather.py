@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map_only
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, decode
 from mixprec.quantization import quantize
+from mixprec.ranks import is_distributed
 from mixprec.scaling import compute_scale
 
 _aten = torch.ops.aten
@@ -196,7 +197,7 @@ def precompute_scales(model: nn.Module, compute_dtype: torch.dtype = torch.bfloa
         return 0
     amax = torch.cat([local.local_amax(compute_dtype) for _, local in shards])
     group = shards[0][0].device_mesh.get_group() if hasattr(shards[0][0], "device_mesh") else None
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scales = compute_scale(amax, E4M3)
     for (p, local), scale in zip(shards, scales):

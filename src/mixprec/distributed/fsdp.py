@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.distributed.amax_reduction import register_amax_reduction
 from mixprec.distributed.fp8_all_gather import enable_fp8_all_gather
 from mixprec.errors import MixprecError
+from mixprec.ranks import is_distributed, world_size
 from mixprec.rounding import flat_indices, stochastic_round
 from mixprec.training.optim import AdamW
 
@@ -43,10 +43,10 @@ def default_mesh():
     """A 1-D device mesh over the whole job: "cuda" under nccl, else "cpu" (gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise MixprecError("FSDP2 needs torch.distributed initialized (launch with torchrun)")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(device_type, (world_size(),))
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -128,7 +128,6 @@ def shard_model(
     for block in _blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    register_amax_reduction(model)
     if master_weights == "fsdp" and mp_policy.param_dtype is not None:
         # the fp32 shards are masters of bf16 compute weights: adapt_optimizer keeps bf16 moments for them
         for p in model.parameters():
@@ -217,7 +216,7 @@ def clip_grad_norm_(optimizer: Any, max_norm: float, group: dist.ProcessGroup | 
             sharded += g.to_local().double().pow(2).sum().cpu()
         else:
             replicated += g.double().pow(2).sum().cpu()
-    if any(_is_dtensor(g) for g in grads) and dist.is_initialized():
+    if any(_is_dtensor(g) for g in grads) and is_distributed():
         device = grads[0].to_local().device if _is_dtensor(grads[0]) else grads[0].device
         t = sharded.to(device)
         dist.all_reduce(t, group=group)

@@ -1,14 +1,14 @@
-"""What a training loop calls to run data-parallel under torchrun: wrap, attach the optimizer, agree on
-skips, reduce amaxes. One object so a loop written for one process takes it as a single argument.
+"""What a training loop calls to run data-parallel under torchrun: wrap, attach the optimizer, shard the
+batch, agree on skips, clip, reduce amaxes. One object so a loop written for one process takes it as a
+single argument: mixprec.training.TrainingStep's `parallel=` (the protocol training.parallel names).
 
-    dp = DataParallel("ddp")                      # or "fsdp2"; "none" outside torchrun
+    dp = DataParallel("ddp")                      # or "fsdp2"; "none": one process (or no wrapping)
     model = dp.wrap(converted_model)              # convert first, then wrap
     optimizer = dp.attach(model, mixprec.optim.AdamW(model.parameters(), lr=...))
-    batch = dp.shard(global_batch)                # this rank's rows
-    loss = ...; loss.backward()
-    if dp.skip(loss, optimizer): optimizer.zero_grad()  # every rank decides the same
-    else: optimizer.step(); optimizer.zero_grad()
-    advance_scaling_state(unwrap(model))          # one all_reduce(MAX) of every amax first (wrap registered it)
+    step = TrainingStep(unwrap(model), optimizer, max_grad_norm=1.0, parallel=dp)
+    for global_batch in batches:
+        loss = loss_fn(model, step.shard(global_batch))   # this rank's rows (contiguous slice)
+        step.backward(loss)   # every rank skips together; one all_reduce(MAX) of every amax, then advance
 
 `DataParallel` is also the `prepare=` callable of mixprec.compare (which wraps, builds its optimizer
 on the wrapped parameters and calls `attach`). A loop that builds the optimizer
@@ -27,7 +27,9 @@ from torch import nn
 from mixprec.distributed import amax_reduction, nan_guard, world
 from mixprec.distributed.ddp import register_fp32_grad_hook, wrap_ddp
 from mixprec.distributed.fsdp import adapt_optimizer, shard_model
+from mixprec.distributed.fsdp import clip_grad_norm_ as clip_sharded
 from mixprec.errors import MixprecError
+from mixprec.training.step import clip_grad_norm_
 
 STRATEGIES = ("ddp", "fsdp2", "none")
 
@@ -67,12 +69,11 @@ class DataParallel:
             raise MixprecError(f"--dp {self.strategy} needs torch.distributed: launch with torchrun")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP or FSDP2 around a converted model; the amax reduction over this group is registered on
-        it, so advance_scaling_state(unwrap(wrapped)) reduces first."""
+        """DDP or FSDP2 around a converted model ("none": the model itself). The amax reduction over this
+        group is `reduce_amax`, which TrainingStep(..., parallel=self) runs before every advance."""
         early = optimizer_already_built(model)
         if self.strategy == "ddp":
             ddp = wrap_ddp(model, **self.ddp_options)
-            amax_reduction.register_amax_reduction(model, self.group)
             if early is not None:
                 # a loop that built its optimizer before wrapping (DDP keeps the Parameter objects, so
                 # that optimizer is valid): connect it now, attach() need not be called
@@ -85,9 +86,7 @@ class DataParallel:
                     "FSDP2 replaces every parameter by a DTensor shard: build the optimizer AFTER wrapping "
                     "(model = dp.wrap(model); optimizer = dp.attach(model, AdamW(model.parameters())))"
                 )
-            sharded = shard_model(model, **self.fsdp_options)
-            amax_reduction.register_amax_reduction(sharded, self.group)
-            return sharded
+            return shard_model(model, **self.fsdp_options)
         return model
 
     __call__ = wrap  # mixprec.compare's prepare= hook
@@ -103,6 +102,7 @@ class DataParallel:
         return optimizer
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of a global batch (world.shard_batch, the one sharding rule)."""
         return world.shard_batch(batch, self.group)
 
     def skip(self, loss: Any = None, optimizer: Any = None, *, local_flag: bool = False) -> bool:
@@ -110,6 +110,12 @@ class DataParallel:
 
     def reduce_amax(self, model: nn.Module) -> int:
         return amax_reduction.reduce_amax(unwrap(model), self.group)
+
+    def clip(self, model: nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping; over FSDP2 shards (DTensor parameters) the norm takes one all_reduce."""
+        if any(hasattr(p, "placements") for p in model.parameters()):
+            return clip_sharded(optimizer, max_norm, self.group)
+        return clip_grad_norm_(model, optimizer, max_norm)
 
     def mean(self, value: Any) -> float:
         return world.mean_across_ranks(value, self.group)

@@ -1,5 +1,9 @@
-"""Who am I in the job: rank, world size, the process group, and the small helpers a training loop needs
-to run under torchrun (shard the batch per rank, average a loss over ranks, let only rank 0 write).
+"""The process group and the small helpers a training loop needs to run under torchrun: join the job,
+shard the batch per rank, average a loss over ranks, let only rank 0 write.
+
+Rank, world size and main process are read in mixprec.ranks (the one module that asks; re-exported here).
+`shard_batch` is THE sharding rule: every rank takes a contiguous slice of the global batch, as
+DistributedSampler does (DataParallel.shard, and through it TrainingStep and the comparison run, use it).
 
 Everything degrades to the single-process answer when torch.distributed is not initialized, so a loop
 written with these helpers runs unchanged with `python` and with `torchrun --nproc-per-node N`.
@@ -7,36 +11,21 @@ written with these helpers runs unchanged with `python` and with `torchrun --npr
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from mixprec.errors import MixprecError
-
-
-def is_distributed() -> bool:
-    """True when a default process group exists (torchrun + init_process_group)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if is_distributed() else 0
-
-
-def world_size(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if is_distributed() else 1
-
-
-def is_main_process() -> bool:
-    """Rank 0 of the default group (or the only process): the one that writes files and prints."""
-    return rank() == 0
-
-
-def launched_by_torchrun() -> bool:
-    """torchrun (and torch.distributed.launch) export WORLD_SIZE/RANK to every worker."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+from mixprec.ranks import (
+    is_distributed,
+    is_main_process,
+    launched_by_torchrun,
+    launched_world_size,
+    local_rank,
+    rank,
+    world_size,
+)
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
@@ -47,18 +36,12 @@ def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> bool
     """
     if is_distributed():
         return world_size() > 1
-    if not launched_by_torchrun():
-        return False
-    try:
-        world = int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        raise MixprecError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
-    if world <= 1:
+    if launched_world_size() <= 1:  # 1 outside torchrun
         return False
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return True
 

@@ -39,7 +39,7 @@ from mixprec.recipes import RECIPES, ROLES, from_name
 from mixprec.scaling import as_2d
 from mixprec.sensitivity.simulate import RecipeScales, is_quantizing
 from mixprec.sensitivity.statistics import Counts, quantization_counts
-from mixprec.training import convert_for_training
+from mixprec.training import TrainingStep, convert_for_training
 from mixprec.training.fp8_linear import rounding_key
 from mixprec.training.optim import AdamW
 from mixprec.training.policy import Policy, decide
@@ -212,6 +212,65 @@ def profiled_linears(model: nn.Module) -> list[str]:
     ]
 
 
+class _PassObserver:
+    """The forward hooks of a profile: every tensor a profiled Linear shows (input, weight, grad_output)
+    is quantized for every recipe, the counts of each pass kept in its cell."""
+
+    def __init__(self, names: list[str], objs: list[object]) -> None:
+        self.objs = objs
+        self.specs = [obj.spec() for obj in objs]  # type: ignore[attr-defined]
+        self.scales = {(n, spec): RecipeScales(obj) for n in names for spec, obj in zip(self.specs, objs)}
+        self.cells: dict[tuple[str, str, str], Cell] = {}
+        for name in names:
+            for role in ROLES:
+                for spec, obj in zip(self.specs, objs):
+                    op = obj.operand(role, False)  # type: ignore[attr-defined]
+                    self.cells[(name, role, spec)] = Cell(name, role, spec, op.fmt.name, op.granularity.name)
+        self.pass_index = 0
+
+    def observe(self, name: str, role: str, tensor: torch.Tensor) -> None:
+        t2 = as_2d(tensor.detach())
+        for spec, obj in zip(self.specs, self.objs):
+            op = obj.operand(role, False)  # type: ignore[attr-defined]
+            state = self.scales[(name, spec)]
+            scale = state.scale(role, t2, op.fmt)
+            key = None
+            if op.stochastic:  # the noise of this tensor in the run: grad_output in the grad_input GEMM
+                key = rounding_key(obj.seed, self.pass_index, 0, name, "grad_input", role)  # type: ignore[attr-defined]
+            counts, _ = quantization_counts(
+                t2, op.fmt, op.granularity, scale=scale, margin=state.margin, power_of_two=op.power_of_two,
+                rounding_key=key,
+            )  # fmt: skip
+            cell = self.cells[(name, role, spec)]
+            if len(cell.passes) > self.pass_index:  # the layer ran twice in this pass (a shared module)
+                cell.passes[self.pass_index] = cell.passes[self.pass_index].merge(counts)
+            else:
+                cell.passes.append(counts)
+
+    def hook_for(self, name: str):
+        def hook(module: nn.Module, args, output) -> None:
+            self.observe(name, "input", args[0])
+            self.observe(name, "weight", module.weight)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: self.observe(name, "grad_output", grad))
+
+        return hook
+
+    def end_pass(self) -> None:
+        for state in self.scales.values():
+            state.end_pass()
+        self.pass_index += 1
+
+
+def _check_settings(precision: str, lr: float, passes: int | None) -> None:
+    if precision not in PRECISIONS:
+        raise MixprecError(f"profile precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        raise MixprecError(f"profile lr must be >= 0, got {lr!r}")
+    if passes is not None and (not isinstance(passes, int) or passes < 1):
+        raise MixprecError(f"passes must be a positive integer, got {passes!r}")
+
+
 def profile_model(
     model: nn.Module,
     batches: Iterable[torch.Tensor],
@@ -231,14 +290,8 @@ def profile_model(
     passes: how many batches to take (None: all). device: where the passes run (None: where the model
     is). Raises MixprecError on bad input before any pass.
     """
-    if precision not in PRECISIONS:
-        raise MixprecError(f"profile precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
-        raise MixprecError(f"profile lr must be >= 0, got {lr!r}")
-    if passes is not None and (not isinstance(passes, int) or passes < 1):
-        raise MixprecError(f"passes must be a positive integer, got {passes!r}")
+    _check_settings(precision, lr, passes)
     objs = resolve_recipes(recipes)
-    specs = [obj.spec() for obj in objs]
     names = profiled_linears(model)
     if not names:
         raise MixprecError(
@@ -255,59 +308,17 @@ def profile_model(
     convert_for_training(work, precision)
     work.train()
     linears = {name: work.get_submodule(name) for name in names}
-    scales = {(name, spec): RecipeScales(obj) for name in names for spec, obj in zip(specs, objs)}
-    cells: dict[tuple[str, str, str], Cell] = {}
-    for name in names:
-        for role in ROLES:
-            for spec, obj in zip(specs, objs):
-                op = obj.operand(role, False)  # type: ignore[attr-defined]
-                cells[(name, role, spec)] = Cell(name, role, spec, op.fmt.name, op.granularity.name)
-    pass_index = 0
-
-    def observe(name: str, role: str, tensor: torch.Tensor) -> None:
-        t2 = as_2d(tensor.detach())
-        for spec, obj in zip(specs, objs):
-            op = obj.operand(role, False)  # type: ignore[attr-defined]
-            state = scales[(name, spec)]
-            scale = state.scale(role, t2, op.fmt)
-            key = None
-            if op.stochastic:  # the noise of this tensor in the run: grad_output in the grad_input GEMM
-                key = rounding_key(obj.seed, pass_index, 0, name, "grad_input", role)  # type: ignore[attr-defined]
-            counts, _ = quantization_counts(
-                t2, op.fmt, op.granularity, scale=scale, margin=state.margin, power_of_two=op.power_of_two,
-                rounding_key=key,
-            )  # fmt: skip
-            cell = cells[(name, role, spec)]
-            if len(cell.passes) > pass_index:  # the layer ran twice in this pass (a shared module)
-                cell.passes[pass_index] = cell.passes[pass_index].merge(counts)
-            else:
-                cell.passes.append(counts)
-
-    def hook_for(name: str):
-        def hook(module: nn.Module, args, output) -> None:
-            observe(name, "input", args[0])
-            observe(name, "weight", module.weight)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: observe(name, "grad_output", grad))
-
-        return hook
-
-    handles = [m.register_forward_hook(hook_for(n)) for n, m in linears.items()]
-    optimizer = AdamW(work.parameters(), lr=lr, weight_decay=0.0) if lr > 0 else None
+    observer = _PassObserver(names, objs)
+    handles = [m.register_forward_hook(observer.hook_for(n)) for n, m in linears.items()]
+    # lr 0: no optimizer, the training step only zeroes the gradients (the passes measure, nothing moves)
+    training = TrainingStep(work, AdamW(work.parameters(), lr=lr, weight_decay=0.0) if lr > 0 else None)
     device = next(work.parameters()).device
     start = time.perf_counter()
     try:
         with progress_bar(progress, "profiling", len(batches)) as advance:
-            for pass_index, batch in enumerate(batches):  # noqa: B007 (read by observe)
-                loss = loss_fn(work, batch.to(device))
-                loss.backward()
-                if optimizer is not None:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                else:
-                    work.zero_grad(set_to_none=True)
-                for state in scales.values():
-                    state.end_pass()
+            for batch in batches:
+                training.backward(loss_fn(work, batch.to(device)))
+                observer.end_pass()
                 advance()
     finally:
         for h in handles:
@@ -317,7 +328,7 @@ def profile_model(
         {"name": n, "in_features": m.in_features, "out_features": m.out_features} for n, m in linears.items()
     ]
     settings = {"precision": precision, "lr": lr, "batch_shape": list(batches[0].shape)}
-    return Profile(specs, layers, cells, len(batches), settings, seconds)
+    return Profile(observer.specs, layers, observer.cells, len(batches), settings, seconds)
 
 
 __all__ = ["PRECISIONS", "SCHEMA_VERSION", "Cell", "Profile", "profile_model", "profiled_linears",

@@ -2,7 +2,8 @@
 
 Public names (imported lazily so that `import mixprec.training` does not import transformers):
 convert_for_training, ConversionReport, Policy, Rule, enable_fast_paths, true_fp32, export_for_inference,
-MixprecTrainerCallback, TrainingStep, make_grad_scaler, advance_scaling_state, fp32_compute.
+MixprecTrainerCallback, TrainingStep (with the DataParallelism protocol it takes), make_grad_scaler,
+advance_scaling_state, fp32_compute.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _EXPORTS = {
     "make_grad_scaler": "mixprec.training.step:make_grad_scaler",
     "advance_scaling_state": "mixprec.training.step:advance_scaling_state",
     "clip_grad_norm_": "mixprec.training.step:clip_grad_norm_",
+    "DataParallelism": "mixprec.training.parallel:DataParallelism",
     "fp32_compute": "mixprec.training.bf16_cpu:fp32_compute",
 }
 

@@ -38,8 +38,9 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
 class MixprecTrainerCallback(TrainerCallback):
     """Advances the FP8 scaling state once per optimizer step; clips mixprec AdamW's fp32 gradients.
 
-    reduce: the amax reduction over data-parallel ranks for delayed scaling under the Trainer's own DDP
-    (mixprec.distributed.reduce_amax); see scaling_state.advance.
+    reduce: the amax reduction over data-parallel ranks for delayed scaling under the Trainer's own DDP:
+    pass it explicitly (reduce=mixprec.distributed.reduce_amax; nothing is registered on the model, so
+    None reduces nothing and warns under torch.distributed); see scaling_state.advance.
     """
 
     def __init__(self, clip_fp32_grads: bool = True, reduce: Any = None) -> None:

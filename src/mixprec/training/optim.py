@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.ranks import world_size
 from mixprec.rounding import CHUNK, NoiseStream, stochastic_round, stochastic_round_pair_into
 from mixprec.training.convert import conversion_state
 
@@ -288,9 +289,7 @@ class AdamW(torch.optim.Optimizer):
         """
         if self.distributed_grads_reduced or not self._active:
             return
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
-        if torch.distributed.get_world_size() < 2 or any(_is_dtensor(p) for p in self._active):
+        if world_size() < 2 or any(_is_dtensor(p) for p in self._active):
             return
         raise MixprecError(
             "AdamW keeps fp32 gradient buffers that plain DistributedDataParallel does not reduce, so the "

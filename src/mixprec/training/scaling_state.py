@@ -31,23 +31,22 @@ advance() — call once per optimizer step (the training helpers and the Trainer
   4. the history rolls by one row (row 0 becomes the previous step), row 0 is zeroed.
 Under data parallelism the current rows must be all-reduced (MAX) over ranks before advance(). That
 reduction is a service of the layer above (mixprec.distributed.reduce_amax, which reads
-`amax_tensors_for_reduction()`), so it is passed in: `advance(model, reduce=...)`, or registered on the
-model with `use_amax_reduction` — the data-parallel wrapping of mixprec.distributed (DataParallel,
-wrap_ddp, shard_model) registers it, so a loop written for one process reduces unchanged.
+`amax_tensors_for_reduction()`), so it is passed in: `advance(model, reduce=...)`, bound into the loop
+by `TrainingStep(..., parallel=dp)` (it calls `dp.reduce_amax`) or given to the Trainer callback
+(`MixprecTrainerCallback(reduce=...)`). Nothing is registered anywhere: no module-level state.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mixprec.formats import Format
+from mixprec.ranks import world_size
 from mixprec.scaling import compute_scale
 
 ROLE_INDEX = {"input": 0, "weight": 1, "grad_output": 2}
@@ -118,31 +117,12 @@ def advance_buffers(
 
 
 AmaxReduction = Callable[[nn.Module], object]
-# model -> its amax reduction; weak keys: a registration never keeps a model alive, and it does not
-# travel with copies, pickles or state dicts of the model.
-_REDUCTIONS: weakref.WeakKeyDictionary[nn.Module, AmaxReduction] = weakref.WeakKeyDictionary()
 _UNREDUCED = (
     "delayed scaling under torch.distributed without an amax reduction: each rank scales from its own "
-    "amax. Wrap the model with mixprec.distributed (DataParallel, wrap_ddp, shard_model), or pass "
-    "reduce=mixprec.distributed.reduce_amax (advance_scaling_state, TrainingStep, MixprecTrainerCallback)"
+    "amax. Train with TrainingStep(model, optimizer, parallel=mixprec.distributed.DataParallel(...)), or "
+    "pass reduce=mixprec.distributed.reduce_amax (advance_scaling_state, TrainingStep, "
+    "MixprecTrainerCallback); reduce=False silences this"
 )
-
-
-def use_amax_reduction(model: nn.Module, reduce: AmaxReduction | None) -> None:
-    """Make `reduce(model)` run before every advance() of `model` that names no reduction; None removes
-    it. mixprec.distributed's wrapping registers its all_reduce(MAX) here."""
-    if reduce is None:
-        _REDUCTIONS.pop(model, None)
-    else:
-        _REDUCTIONS[model] = reduce
-
-
-def amax_reduction(model: nn.Module) -> AmaxReduction | None:
-    """The reduction registered for `model`, or for the module it wraps (DDP's `.module`)."""
-    for m in (model, getattr(model, "module", None)):
-        if isinstance(m, nn.Module) and m in _REDUCTIONS:
-            return _REDUCTIONS[m]
-    return None
 
 
 def advance(model: nn.Module, *, reduce: AmaxReduction | Literal[False] | None = None) -> int:
@@ -151,13 +131,11 @@ def advance(model: nn.Module, *, reduce: AmaxReduction | Literal[False] | None =
     Call exactly once per optimizer step, after backward. Modules without delayed scaling are skipped
     at no cost.
     reduce: makes every rank's current amax rows agree before the scales advance, called as
-    reduce(model) (mixprec.distributed.reduce_amax: one all_reduce(MAX) for all layers). None: the one
-    registered for the model (use_amax_reduction), if any. False: none, even if one is registered.
+    reduce(model) (mixprec.distributed.reduce_amax: one all_reduce(MAX) for all layers). None: none,
+    with a warning when delayed-scaling layers train under torch.distributed. False: none, silently.
     """
-    if reduce is None:
-        reduce = amax_reduction(model)
-        if reduce is None and _data_parallel() and _has_delayed_scaling(model):
-            warnings.warn(_UNREDUCED, stacklevel=2)
+    if reduce is None and world_size() > 1 and _has_delayed_scaling(model):
+        warnings.warn(_UNREDUCED, stacklevel=2)
     if reduce:
         reduce(model)
     count = 0
@@ -166,10 +144,6 @@ def advance(model: nn.Module, *, reduce: AmaxReduction | Literal[False] | None =
         if callable(fn) and fn():
             count += 1
     return count
-
-
-def _data_parallel() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _has_delayed_scaling(model: nn.Module) -> bool:
@@ -181,10 +155,8 @@ __all__ = [
     "AmaxReduction",
     "advance",
     "advance_buffers",
-    "amax_reduction",
     "new_buffers",
     "raw_amax",
     "record_amax",
     "scale_or_current",
-    "use_amax_reduction",
 ]
