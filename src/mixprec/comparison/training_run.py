@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +42,7 @@ from mixprec.distributed.prepare import DataParallel
 from mixprec.errors import MixprecError
 from mixprec.files import atomic_file
 from mixprec.models import lm_loss
-from mixprec.monitor import PrecisionMonitor
+from mixprec.monitor import PrecisionMonitor, StepHealth
 from mixprec.recipes import from_name
 from mixprec.training import TrainingStep, convert_for_training
 from mixprec.training.optim import AdamW
@@ -149,7 +148,6 @@ def ulp_dtype_of(recipe: str) -> torch.dtype:
 
 
 def _convert(model: nn.Module, recipe: str, policy: Policy | None = None) -> list[dict]:
-
     report = convert_for_training(model, recipe, policy)
     entries = getattr(report, "entries", [])
     return [
@@ -188,7 +186,6 @@ def distributed_checkpoint_path(path: Path) -> Path:
 
 
 def _save_distributed(path: Path, step: int, model, optimizer, scaler, records: list[dict]) -> None:
-
     extra = {
         "format": CHECKPOINT_FORMAT,
         "step": step,
@@ -199,7 +196,6 @@ def _save_distributed(path: Path, step: int, model, optimizer, scaler, records: 
 
 
 def _load_distributed(path: Path, model, optimizer, scaler) -> tuple[int, list[dict]]:
-
     extra = load_shards(path, model, optimizer)
     if extra.get("format") != CHECKPOINT_FORMAT:
         raise MixprecError(f"checkpoint {path} has an unknown format")
@@ -288,11 +284,13 @@ def _monitor(run: _Run, spec: RunSpec) -> PrecisionMonitor:
 class _StepOutcome:
     loss: torch.Tensor
     info: dict  # TrainingStep.step's: grad_norm, skipped (loss scaling: loss_scale)
-    health: Any  # PrecisionMonitor.check_step's verdict on this rank
+    health: StepHealth  # PrecisionMonitor.check_step's verdict on this rank
     precision: list[dict]  # the monitor's rows of this step
 
 
-def _train_step(run: _Run, monitor: PrecisionMonitor, spec: RunSpec, data: TokenizedData, step: int):
+def _train_step(
+    run: _Run, monitor: PrecisionMonitor, spec: RunSpec, data: TokenizedData, step: int
+) -> _StepOutcome:
     """One optimizer step on batch `step` of the data order (this rank's share of it).
 
     A NaN/inf the monitor sees in the loss or gradients skips the step (on every rank: the training
