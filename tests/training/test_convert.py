@@ -144,14 +144,14 @@ def test_bad_input():
 
 
 def test_fp8_default_policy_leaves_embeddings_norms_head_untouched_on_llama():
-    from mixprec.training.fp8_linear import Fp8Linear
+    from mixprec.training.low_precision_linear import LowPrecisionLinear
 
     m = tiny_llama(tie=True)
     report = convert_for_training(m, "fp8-delayed")
     assert type(m.model.embed_tokens) is nn.Embedding and type(m.lm_head) is nn.Linear
     assert type(m.model.norm).__name__ == "LlamaRMSNorm"
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
-    fp8 = {n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear)}
+    fp8 = {n for n, mod in m.named_modules() if isinstance(mod, LowPrecisionLinear)}
     assert fp8 == {
         f"model.layers.{i}.{p}"
         for i in range(2)

@@ -1,4 +1,4 @@
-"""Fp8Linear: the three GEMMs against an fp64 reference on the same quantized operands (tight), against
+"""LowPrecisionLinear: the three GEMMs against an fp64 reference on the same quantized operands (tight), against
 the unquantized layer (SNR bounds), outlier data, dtypes, backends, and the monitor observer protocol."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from mixprec.kernels.hardware import detect
 from mixprec.quantization import quantize
 from mixprec.recipes import from_name
 from mixprec.scaling import quantization_snr_db
-from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.low_precision_linear import LowPrecisionLinear
 
 RECIPES = [
     "fp8-delayed",
@@ -85,7 +85,7 @@ def test_three_gemms_match_fp64_reference_on_the_same_quantized_operands(gen, re
     lin = _gaussian_linear(gen)
     x = torch.randn(2, 128, 256, generator=gen)
     dy = torch.randn(2, 128, 192, generator=gen) * 1e-3
-    layer = Fp8Linear.from_linear(lin, recipe)
+    layer = LowPrecisionLinear.from_linear(lin, recipe)
     y, gx, gw, gb = _run(layer, x, dy)
     ref = _reference(recipe, x, lin.weight, lin.bias, dy)
     for got, gemm in (
@@ -106,7 +106,9 @@ def test_snr_against_the_unquantized_layer(recipe):
     x = torch.randn(256, 256, generator=gen)
     dy = torch.randn(256, 192, generator=gen)
     want = _run(lin, x, dy)
-    got = _run(Fp8Linear.from_linear(_gaussian_linear(torch.Generator().manual_seed(0)), recipe), x, dy)
+    got = _run(
+        LowPrecisionLinear.from_linear(_gaussian_linear(torch.Generator().manual_seed(0)), recipe), x, dy
+    )
     snr = [quantization_snr_db(w, g) for w, g in zip(want[:3], got[:3])]
     bounds = SNR_BOUNDS[recipe]
     assert all(s >= b for s, b in zip(snr, bounds)), f"{recipe}: SNR {snr} below {bounds}"
@@ -126,7 +128,7 @@ def test_finer_granularities_gain_on_outlier_tokens(gen):
     ref = lin(x).detach()
 
     def token_snr(recipe):
-        y = Fp8Linear.from_linear(lin, recipe)(x).detach()
+        y = LowPrecisionLinear.from_linear(lin, recipe)(x).detach()
         return sum(quantization_snr_db(ref[i], y[i]) for i in range(256)) / 256  # mean per-token SNR
 
     snr = {r: token_snr(r) for r in ("fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8")}
@@ -143,8 +145,8 @@ def test_bf16_compute_dtype_is_the_fp32_result_rounded(gen, recipe):
     lin32.load_state_dict({k: v.float() for k, v in lin16.state_dict().items()})
     x = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
     dy = (torch.randn(64, 192, generator=gen) * 1e-2).to(torch.bfloat16)
-    got = _run(Fp8Linear.from_linear(lin16, recipe), x, dy)
-    want = _run(Fp8Linear.from_linear(lin32, recipe), x.float(), dy.float())
+    got = _run(LowPrecisionLinear.from_linear(lin16, recipe), x, dy)
+    want = _run(LowPrecisionLinear.from_linear(lin32, recipe), x.float(), dy.float())
     assert [t.dtype for t in got] == [torch.bfloat16] * 4
     for g, w in zip(got[:3], want[:3]):
         assert torch.equal(g, w.to(torch.bfloat16))
@@ -156,31 +158,31 @@ def test_native_and_emulated_backends_agree(gen, recipe):
     lin = _gaussian_linear(gen, 32, 48)
     x = torch.randn(32, 32, generator=gen)
     dy = torch.randn(32, 48, generator=gen)
-    emu = _run(Fp8Linear.from_linear(lin, recipe, backend="emulated"), x, dy)
+    emu = _run(LowPrecisionLinear.from_linear(lin, recipe, backend="emulated"), x, dy)
     lin.weight.grad = lin.bias.grad = None
-    nat = _run(Fp8Linear.from_linear(lin, recipe, backend="native"), x, dy)
+    nat = _run(LowPrecisionLinear.from_linear(lin, recipe, backend="native"), x, dy)
     for e, n in zip(emu, nat):
         assert torch.allclose(e, n, rtol=1e-5, atol=1e-6 * e.abs().max().item())
 
 
 def test_from_linear_shares_parameters_and_state_dict(gen):
     lin = _gaussian_linear(gen)
-    cur = Fp8Linear.from_linear(lin, "fp8-current", name="mlp.up")
+    cur = LowPrecisionLinear.from_linear(lin, "fp8-current", name="mlp.up")
     assert cur.weight is lin.weight and cur.bias is lin.bias
     assert cur.state_dict().keys() == lin.state_dict().keys()
-    delayed = Fp8Linear.from_linear(lin, "fp8-delayed:history=8")
+    delayed = LowPrecisionLinear.from_linear(lin, "fp8-delayed:history=8")
     assert set(delayed.state_dict()) == {"weight", "bias", "amax_history", "fp8_scale", "scaling_step"}
     assert delayed.amax_history.shape == (8, 3)
     assert "fp8-delayed:history=8" in repr(delayed)
     back = delayed.to_linear()
     assert isinstance(back, nn.Linear) and back.weight is lin.weight
-    fresh = Fp8Linear(256, 192, bias=False, recipe="fp8-rowwise")
+    fresh = LowPrecisionLinear(256, 192, bias=False, recipe="fp8-rowwise")
     assert fresh.bias is None and fresh.weight.shape == (192, 256)
 
 
 def test_partial_grads_three_dims_and_no_bias(gen):
     lin = _gaussian_linear(gen, bias=False)
-    layer = Fp8Linear.from_linear(lin, "fp8-blockwise")
+    layer = LowPrecisionLinear.from_linear(lin, "fp8-blockwise")
     x = torch.randn(2, 3, 256, generator=gen)  # input needs no grad (a first layer)
     y = layer(x)
     assert y.shape == (2, 3, 192)
@@ -195,21 +197,21 @@ def test_partial_grads_three_dims_and_no_bias(gen):
 def test_bad_inputs(gen):
     lin = _gaussian_linear(gen)
     with pytest.raises(MixprecError, match="not an FP8 recipe"):
-        Fp8Linear.from_linear(lin, "bf16")
+        LowPrecisionLinear.from_linear(lin, "bf16")
     with pytest.raises(MixprecError, match="unknown recipe"):
-        Fp8Linear.from_linear(lin, "fp8-magic")
+        LowPrecisionLinear.from_linear(lin, "fp8-magic")
     with pytest.raises(MixprecError, match=r"expected nn\.Linear"):
-        Fp8Linear.from_linear(nn.Conv1d(3, 3, 1), "fp8-current")  # type: ignore[arg-type]
+        LowPrecisionLinear.from_linear(nn.Conv1d(3, 3, 1), "fp8-current")  # type: ignore[arg-type]
     with pytest.raises(MixprecError, match="backend"):
-        Fp8Linear.from_linear(lin, "fp8-current", backend="cuda")
+        LowPrecisionLinear.from_linear(lin, "fp8-current", backend="cuda")
     with pytest.raises(MixprecError, match="features"):
-        Fp8Linear.from_linear(lin, "fp8-current", name="up")(torch.randn(4, 100))
+        LowPrecisionLinear.from_linear(lin, "fp8-current", name="up")(torch.randn(4, 100))
 
 
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8"])
 def test_observer_protocol(gen, recipe):
     lin = _gaussian_linear(gen)
-    layer = Fp8Linear.from_linear(lin, recipe, name="blocks.0.up")
+    layer = LowPrecisionLinear.from_linear(lin, recipe, name="blocks.0.up")
     calls = []
 
     def observer(name, role, tensor, scale, fmt):
@@ -234,7 +236,7 @@ def test_observer_protocol(gen, recipe):
 def test_linear_with_an_external_weight(gen):
     """The grouped-experts path: one layer's recipe and state, a weight slice passed per call."""
     lin = _gaussian_linear(gen, bias=False)
-    layer = Fp8Linear.from_linear(lin, "fp8-rowwise")
+    layer = LowPrecisionLinear.from_linear(lin, "fp8-rowwise")
     x = torch.randn(32, 256, generator=gen)
     w = lin.weight.detach().clone().requires_grad_(True)
     y = layer.linear_with(x, w)
@@ -264,7 +266,10 @@ def test_weight_cast_cached_across_micro_batches_bit_identical(gen, recipe):
     lin = _gaussian_linear(gen, 256, 128)
     xs = [torch.randn(16, 256, generator=gen) for _ in range(3)]
     dy = torch.randn(16, 128, generator=gen)
-    cached, plain = Fp8Linear.from_linear(lin, recipe), Fp8Linear.from_linear(_copy(lin), recipe)
+    cached, plain = (
+        LowPrecisionLinear.from_linear(lin, recipe),
+        LowPrecisionLinear.from_linear(_copy(lin), recipe),
+    )
     plain.cache_weight_casts = False
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cached, plain)]
     for _step in range(3):  # micro-batches 2..n reuse the payload; the optimizer step invalidates it
@@ -294,7 +299,7 @@ def test_weight_cast_cache_invalidation(gen):
     and by advance_scaling(); a delayed-scaling scale change invalidates; other weights are not cached."""
     from mixprec.training.weight_cache import cache_of
 
-    layer = Fp8Linear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-current")
+    layer = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-current")
     x = torch.randn(8, 64, generator=gen)
 
     def fresh() -> bool:
@@ -314,7 +319,7 @@ def test_weight_cast_cache_invalidation(gen):
     layer.advance_scaling()  # once per optimizer step, for every recipe
     assert fresh() and not fresh()
 
-    delayed = Fp8Linear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-delayed")
+    delayed = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-delayed")
     delayed(x).sum().backward()
     delayed.advance_scaling()
     misses = cache_of(delayed).misses
