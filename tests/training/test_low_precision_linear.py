@@ -7,12 +7,15 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec.training
 from mixprec.errors import MixprecError
 from mixprec.kernels.hardware import detect
 from mixprec.quantization import quantize
 from mixprec.recipes import from_name
 from mixprec.scaling import quantization_snr_db
+from mixprec.training.linear_gemms import LinearGemms
 from mixprec.training.low_precision_linear import LowPrecisionLinear
+from mixprec.training.quantizer_state import QuantizerState
 
 RECIPES = [
     "fp8-delayed",
@@ -339,3 +342,37 @@ def _uncached(layer, x):
             return layer(x)
     finally:
         layer.cache_weight_casts = True
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GEMMs' autograd Function is given the layer's quantizer state, never the layer
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-rowwise", "fp4-nvfp4"])
+def test_the_gemm_function_receives_no_module(gen, recipe, monkeypatch):
+    """A spy on LinearGemms.apply: through forward, linear_with and backward, no argument and nothing
+    kept for the backward (the autograd node's attributes) is an nn.Module."""
+    calls = []
+    apply = LinearGemms.apply
+
+    def spy(*args):
+        calls.append(args)
+        return apply(*args)
+
+    monkeypatch.setattr(LinearGemms, "apply", spy)
+    layer = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), recipe, name="blocks.0.up")
+    x = torch.randn(16, 64, generator=gen, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    layer.linear_with(x, layer.weight.detach().clone().requires_grad_(True)).sum().backward()
+    assert len(calls) == 2 and x.grad is not None
+    assert not [a for args in calls for a in args if isinstance(a, nn.Module)]
+    assert any(isinstance(a, QuantizerState) for a in calls[0])
+    kept = vars(y.grad_fn)
+    assert kept["state"] is layer.quantizer
+    assert not [k for k, v in kept.items() if isinstance(v, nn.Module)]
+
+
+def test_fp8_linear_is_the_deprecated_alias_of_the_new_class():
+    with pytest.warns(DeprecationWarning, match="removed in the next release"):
+        assert mixprec.training.Fp8Linear is LowPrecisionLinear
