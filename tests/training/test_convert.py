@@ -197,6 +197,19 @@ def test_fp8_moe_router_untouched_experts_grouped():
     assert moe.experts.gate_up_proj.grad is not None and torch.isfinite(out.loss)
 
 
+def test_fp4_moe_experts_grouped_with_their_rounding_state():
+    """FP4 recipes convert fused experts too: every expert's shell keeps FP4's [seed, step] buffer (made
+    on the experts' device, as delayed scaling's buffers are), and a step trains through them."""
+    m = tiny_mixtral()
+    report = convert_for_training(m, "fp4-nvfp4")
+    experts = m.model.layers[0].mlp.experts
+    assert report["model.layers.0.mlp.experts"].precision == "fp4:fp4-nvfp4"
+    shells = [*experts.fp8_gate_up, *experts.fp8_down]
+    assert all(s.fp4_state.tolist() == [0, 0] and s.fp4_state.device.type == "cpu" for s in shells)
+    _step(m)
+    assert experts.gate_up_proj.grad is not None
+
+
 def test_fp8_qwen_moe_shared_expert_and_router():
     cfg = transformers.Qwen2MoeConfig(
         vocab_size=128,

@@ -23,8 +23,8 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.training import scaling_state
 from mixprec.training.low_precision_linear import LowPrecisionLinear
+from mixprec.training.quantizer_state import recipe_buffers
 
 
 def _shell(out_features: int, in_features: int, recipe: Any, name: str, like: torch.Tensor) -> nn.Module:
@@ -34,10 +34,9 @@ def _shell(out_features: int, in_features: int, recipe: Any, name: str, like: to
     shell = LowPrecisionLinear.from_linear(meta, recipe, name=name)
     del shell.weight  # unregister the meta parameter: the expert's weight slice is passed per call
     shell.weight = torch.empty((), dtype=like.dtype, device=like.device).expand(out_features, in_features)
-    if shell._buffers:
-        fresh = scaling_state.new_buffers(shell.recipe.amax_history_len, like.device)
-        for key in list(shell._buffers):
-            shell._buffers[key] = fresh[key]
+    # the recipe's buffers were made on the meta weight's device: made again on the experts' device
+    for key, buf in recipe_buffers(shell.recipe, like.device).items():
+        shell._buffers[key] = buf
     return shell
 
 

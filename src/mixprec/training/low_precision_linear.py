@@ -27,9 +27,8 @@ from mixprec.errors import MixprecError
 from mixprec.gemm import BACKENDS
 from mixprec.recipes import QUANTIZED_KINDS, QuantizedRecipe, from_name
 from mixprec.scaling import Granularity
-from mixprec.training import scaling_state
 from mixprec.training.linear_gemms import LinearGemms
-from mixprec.training.quantizer_state import Observer, QuantizerState
+from mixprec.training.quantizer_state import Observer, QuantizerState, recipe_buffers
 from mixprec.training.weight_cache import cache_of
 
 
@@ -73,14 +72,8 @@ class LowPrecisionLinear(nn.Module):
             )
         if backend not in BACKENDS:
             raise MixprecError(f"unknown GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}")
-        device = self.weight.device
-        if recipe.delayed:
-            for key, buf in scaling_state.new_buffers(recipe.amax_history_len, device).items():
-                self.register_buffer(key, buf)
-        if recipe.kind == "fp4":
-            self.register_buffer(
-                "fp4_state", torch.tensor([recipe.seed, 0], dtype=torch.int64, device=device)
-            )
+        for key, buf in recipe_buffers(recipe, self.weight.device).items():
+            self.register_buffer(key, buf)
         self.cache_weight_casts = True
         self.quantizer = QuantizerState(
             recipe, layer_name=name, backend=backend, buffers=self._buffers, weight_cache=cache_of(self)

@@ -49,6 +49,16 @@ def rounding_key(seed: int, step: int, rank: int, layer: str, gemm: str, role: s
     return stream_key(seed, step, rank, hash32(tensor_id(f"{layer}:{gemm}:{role}") + call))
 
 
+def recipe_buffers(recipe: QuantizedRecipe, device=None) -> dict[str, torch.Tensor]:
+    """The buffers a layer under `recipe` keeps in its state_dict: delayed scaling's amax history and
+    scales (mixprec.training.scaling_state), FP4's [seed, optimizer step] (`fp4_state`), else none."""
+    if recipe.delayed:
+        return scaling_state.new_buffers(recipe.amax_history_len, device)
+    if recipe.kind == "fp4":
+        return {"fp4_state": torch.tensor([recipe.seed, 0], dtype=torch.int64, device=device)}
+    return {}
+
+
 @dataclass(frozen=True)
 class RecipePlan:
     """A recipe's operand layouts for the three GEMMs of a Linear (see mixprec.recipes)."""
@@ -323,5 +333,6 @@ __all__ = [
     "RoundingKeys",
     "ScaleState",
     "data_parallel_rank",
+    "recipe_buffers",
     "rounding_key",
 ]
