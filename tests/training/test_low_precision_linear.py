@@ -376,3 +376,30 @@ def test_the_gemm_function_receives_no_module(gen, recipe, monkeypatch):
 def test_fp8_linear_is_the_deprecated_alias_of_the_new_class():
     with pytest.warns(DeprecationWarning, match="removed in the next release"):
         assert mixprec.training.Fp8Linear is LowPrecisionLinear
+
+
+def test_the_quantizer_state_reads_the_buffers_the_layer_holds_now(gen):
+    """The state reads the layer's buffer table, so .to(), a deepcopy and load_state_dict leave no stale
+    tensor behind: the amax a forward records lands in the buffer the layer holds."""
+    import copy
+
+    layer = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-delayed", name="l")
+    x = torch.randn(8, 64, generator=gen)
+    before = layer.amax_history
+    layer.to(torch.float64).to(torch.float32)  # every buffer a new tensor
+    assert layer.amax_history is not before
+    layer(x).sum().backward()
+    assert (layer.amax_history[0] > 0).all() and (before == 0).all()
+    copied = copy.deepcopy(layer)
+    assert (
+        copied.quantizer is not layer.quantizer
+        and copied.quantizer.weight_cache is not layer.quantizer.weight_cache
+    )
+    layer.amax_history.zero_()
+    copied.amax_history.zero_()
+    copied(x).sum().backward()
+    assert (copied.amax_history[0] > 0).all() and (layer.amax_history == 0).all()
+    fp4 = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp4-nvfp4:seed=7")
+    fp4.load_state_dict({**fp4.state_dict(), "fp4_state": torch.tensor([7, 5])}, assign=True)
+    assert fp4.quantizer.rounding.buffers["fp4_state"] is fp4.fp4_state
+    assert fp4.fp4_state.tolist() == [7, 5] and fp4.quantizer.weight_generation == 1
