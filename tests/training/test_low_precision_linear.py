@@ -1,5 +1,5 @@
-"""LowPrecisionLinear: the three GEMMs against an fp64 reference on the same quantized operands (tight), against
-the unquantized layer (SNR bounds), outlier data, dtypes, backends, and the monitor observer protocol."""
+"""LowPrecisionLinear: the three GEMMs against an fp64 reference on the same quantized operands (tight),
+against the unquantized layer (SNR bounds), outlier data, dtypes, backends, and the monitor observer protocol."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Public names (imported lazily so that `import mixprec.training` does not import transformers):
 convert_for_training, ConversionReport, Policy, Rule, enable_fast_paths, true_fp32, export_for_inference,
-MixprecTrainerCallback, TrainingStep, make_grad_scaler, advance_scaling_state, fp32_compute, LowPrecisionLinear
-(the quantized training layer).
+MixprecTrainerCallback, TrainingStep, make_grad_scaler, advance_scaling_state, fp32_compute,
+LowPrecisionLinear (the quantized training layer).
 
 Deprecated: `Fp8Linear`, the old name of LowPrecisionLinear (it runs FP4 recipes too), an alias for one
 release that warns when used; it is removed in the next release.

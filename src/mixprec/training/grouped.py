@@ -5,10 +5,11 @@ transformers stores the experts of a sparse MoE block as two parameters,
     down_proj    [E, H, I]
 and loops over the experts that received tokens. ``GroupedFp8Experts`` keeps those parameters (same
 objects, same names, so checkpoints and optimizers are unaffected) and runs each expert's two GEMMs
-through ``LowPrecisionLinear.linear_with`` (mixprec.training.low_precision_linear) — all three GEMMs of each, via
-the one GEMM seam — with one small per-expert "shell" layer holding that expert's recipe plan and
-scaling state (amax history under delayed scaling, so the monitor and the scaling advance see them
-like any LowPrecisionLinear). A grouped kernel would batch the experts in one launch; the numerics are the same.
+through ``LowPrecisionLinear.linear_with`` (mixprec.training.low_precision_linear) — all three GEMMs
+of each, via the one GEMM seam — with one small per-expert "shell" layer holding that expert's recipe
+plan and scaling state (amax history under delayed scaling, FP4's [seed, step], so the monitor and the
+scaling advance see them like any LowPrecisionLinear). A grouped kernel would batch the experts in one
+launch; the numerics are the same.
 
 Layouts this does not know (transposed weights, biases, custom gating, interleaved gate/up) raise
 NotImplementedError, and convert_for_training lists the module as skipped with that reason.
@@ -28,7 +29,8 @@ from mixprec.training.quantizer_state import recipe_buffers
 
 
 def _shell(out_features: int, in_features: int, recipe: Any, name: str, like: torch.Tensor) -> nn.Module:
-    """A LowPrecisionLinear without a weight of its own: the expert's slice of the 3-D parameter is passed in."""
+    """A LowPrecisionLinear without a weight of its own: the expert's slice of the 3-D parameter is
+    passed in."""
 
     meta = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=like.dtype)
     shell = LowPrecisionLinear.from_linear(meta, recipe, name=name)

@@ -66,8 +66,8 @@ class LowPrecisionLinear(nn.Module):
         recipe = from_name(recipe)
         if recipe.kind not in QUANTIZED_KINDS:
             raise MixprecError(
-                f"LowPrecisionLinear{f' {name}' if name else ''}: recipe {recipe.spec()!r} is not an FP8 recipe "
-                "nor an FP4 one (fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8, fp4-nvfp4, "
+                f"LowPrecisionLinear{f' {name}' if name else ''}: recipe {recipe.spec()!r} is not an FP8 "
+                "recipe nor an FP4 one (fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8, fp4-nvfp4, "
                 "fp4-mxfp4)"
             )
         if backend not in BACKENDS:
@@ -100,7 +100,8 @@ class LowPrecisionLinear(nn.Module):
         *,
         backend: str = "auto",
     ) -> LowPrecisionLinear:
-        """The quantized layer for `linear`, sharing its parameter objects (optimizer references stay valid)."""
+        """The quantized layer for `linear`, sharing its parameter objects (optimizer references stay
+        valid)."""
         where = f"LowPrecisionLinear.from_linear{f' ({name})' if name else ''}"
         if not isinstance(linear, nn.Linear):
             raise MixprecError(f"{where}: expected nn.Linear, got {type(linear).__name__}")

@@ -251,9 +251,10 @@ class QuantizerState:
         scale = self.scales.scale_without_recording(t2, op)
         if op.hadamard:  # mixes every 16 consecutive rows of t2: the K of the transposed operand
             t2 = transform_rows(t2, self.rounding.rht_matrix(t2.device))
+        key = self.rounding.key(op, "grad_weight")
         return quantize(
             t2, op.fmt, op.granularity.transposed(), scale=scale, margin=self.scales.margin,
-            power_of_two=op.power_of_two, validate_scale=False, rounding_key=self.rounding.key(op, "grad_weight"),
+            power_of_two=op.power_of_two, validate_scale=False, rounding_key=key,
         )  # fmt: skip
 
     def quantize_weight(
@@ -279,7 +280,9 @@ class QuantizerState:
         if for_transposed:
             compute = lambda: self.quantize_for_transposed(weight, op)  # noqa: E731
         else:
-            compute = lambda: self.quantize("weight", weight, op, recording=recording, observe=False)  # noqa: E731
+            compute = lambda: self.quantize(  # noqa: E731
+                "weight", weight, op, recording=recording, observe=False
+            )
         if not cached:
             q = compute()
         else:
