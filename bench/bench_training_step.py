@@ -15,7 +15,7 @@ Configurations
   where the CPU has AVX-512-BF16 / AMX, else fp32 matmul rounded to bf16, mixprec.training.bf16_cpu),
   mixprec.optim.AdamW (fp32 master weights, bf16 moments). The row after it forces the other path
   (bf16-fp32-compute on a CPU with bf16 units, bf16-native on one without) to show what it would cost.
-- fp8-*: mixprec Fp8Linear (emulated GEMMs on CPU), bf16 parameters, mixprec.optim.AdamW.
+- fp8-*: mixprec LowPrecisionLinear (emulated GEMMs on CPU), bf16 parameters, mixprec.optim.AdamW.
 - torchao-tensorwise / torchao-rowwise: torchao.float8.convert_to_float8_training with emulate=True
   (its non-emulated path calls torch._scaled_mm, a reference loop on CPU), bf16 parameters, the same
   optimizer as the fp8 rows.
@@ -89,11 +89,11 @@ def build(name: str, layers: int, width: int, device: str = "cpu") -> Setup:
         config = dataclasses.replace(config, emulate=device == "cpu")
         convert_to_float8_training(model, config=config)
         return Setup(name, model, AdamW(model.parameters(), lr=1e-4), torch.bfloat16)
-    from mixprec.training.fp8_linear import Fp8Linear
+    from mixprec.training.low_precision_linear import LowPrecisionLinear
 
     backend = "auto"
     for i, lin in enumerate(list(model)):
-        model[i] = Fp8Linear.from_linear(lin, name, name=str(i), backend=backend)
+        model[i] = LowPrecisionLinear.from_linear(lin, name, name=str(i), backend=backend)
     return Setup(name, model, AdamW(model.parameters(), lr=1e-4), torch.bfloat16)
 
 
@@ -237,7 +237,7 @@ def gpu_table(reps: int, tokens: int = 8192, hidden: int = 4096, ffn: int = 1433
         return "GPU section skipped: no CUDA device."
 
     def mlp(name: str) -> Setup:
-        from mixprec.training.fp8_linear import Fp8Linear
+        from mixprec.training.low_precision_linear import LowPrecisionLinear
         from mixprec.training.optim import AdamW
 
         torch.manual_seed(0)
@@ -245,7 +245,7 @@ def gpu_table(reps: int, tokens: int = 8192, hidden: int = 4096, ffn: int = 1433
         model = model.to(torch.bfloat16)
         if name != "bf16":
             for i, lin in enumerate(list(model)):
-                model[i] = Fp8Linear.from_linear(lin, name, name=str(i))
+                model[i] = LowPrecisionLinear.from_linear(lin, name, name=str(i))
         return Setup(name, model, AdamW(model.parameters(), lr=1e-4), torch.bfloat16)
 
     names = ["bf16", "fp8-delayed", "fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8"]

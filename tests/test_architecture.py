@@ -350,11 +350,7 @@ RANKS_MODULE = "mixprec.ranks"
 RANK_CALLS = ("get_rank", "get_world_size", "is_initialized")
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # modules allowed to read the rank themselves, each with the reason (this list may only shrink):
-RANK_READERS_ALLOWED = {
-    # data_parallel_rank() (the rank in FP4 rounding keys) moves out of the layer file in issue 26's
-    # quantizer-state rewrite; it is re-pointed at mixprec.ranks when that lands
-    "mixprec.training.fp8_linear": "data_parallel_rank() reads torch.distributed's rank",
-}
+RANK_READERS_ALLOWED: dict[str, str] = {}
 
 
 def rank_reads(source: str) -> list[str]:
@@ -496,3 +492,98 @@ def test_no_module_level_registry_keeps_the_amax_reduction():
     for gone in ("use_amax_reduction", "amax_reduction"):
         assert not hasattr(scaling_state, gone)
     assert not hasattr(mixprec.distributed, "register_amax_reduction")
+
+
+# ---- the training layer: its GEMMs' autograd Function is given a quantizer state, not the layer ----
+
+TRAINING_LAYER = SRC / "training" / "low_precision_linear.py"
+TRAINING_LAYER_MAX_LINES = 300
+
+
+def module_classes(sources: dict[str, tuple[str, bool]]) -> set[str]:
+    """The names of the classes of the sources that derive from nn.Module (directly, or through
+    another of these classes), and torch's own module names as they are written in annotations."""
+    bases: dict[str, set[str]] = {}
+    for source, _ in sources.values():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                names = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+                bases.setdefault(node.name, set()).update(names)
+    found = {"Module", "Linear"}
+    while True:
+        more = {name for name, b in bases.items() if b & found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def autograd_functions(source: str) -> list[ast.ClassDef]:
+    """The classes of a module that subclass torch.autograd.Function (written `torch.autograd.Function`,
+    `autograd.Function` or, imported, `Function`)."""
+
+    def is_function(base: ast.expr) -> bool:
+        if isinstance(base, ast.Name):
+            return base.id == "Function"
+        return isinstance(base, ast.Attribute) and (_attribute_chain(base) or [])[-2:] == [
+            "autograd",
+            "Function",
+        ]
+
+    return [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and any(is_function(b) for b in node.bases)
+    ]
+
+
+def module_arguments(function: ast.ClassDef, modules: set[str]) -> list[str]:
+    """The arguments of the Function's forward (after ctx) that are not annotated, or whose annotation
+    names an nn.Module class."""
+    forward = next(n for n in function.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    wrong = []
+    for arg in [*forward.args.args[1:], *forward.args.kwonlyargs]:
+        named = set()
+        for node in ast.walk(arg.annotation) if arg.annotation is not None else ():
+            if isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                named.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.update(re.findall(r"\w+", node.value))
+        if arg.annotation is None or named & modules:
+            wrong.append(
+                f"{function.name}.forward({arg.arg}: {ast.unparse(arg.annotation or ast.Name('?'))})"
+            )
+    return wrong
+
+
+def test_the_training_gemm_function_takes_no_module():
+    """Every autograd.Function of the training wing (the GEMMs of the training layer) takes tensors and
+    the layer's quantizer state: no argument of its forward is an nn.Module (the test of the training
+    layer spies on `apply` in a real call: tests/training/test_low_precision_linear.py)."""
+    sources = package_sources()
+    modules = module_classes(sources)
+    functions = [
+        f
+        for name, (source, _) in sources.items()
+        if name.startswith("mixprec.training.")
+        for f in autograd_functions(source)
+    ]
+    assert [f.name for f in functions] == ["LinearGemms"]
+    assert [w for f in functions for w in module_arguments(f, modules)] == []
+    # the check sees a layer passed in, by its class name or as nn.Module
+    passed_the_layer = autograd_functions(
+        "class F(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x: torch.Tensor, layer: LowPrecisionLinear, m: 'nn.Module', n):\n"
+        "        return x\n"
+    )[0]
+    assert module_arguments(passed_the_layer, modules) == [
+        "F.forward(layer: LowPrecisionLinear)",
+        "F.forward(m: 'nn.Module')",
+        "F.forward(n: ?)",
+    ]
+
+
+def test_the_training_layer_file_is_short():
+    assert len(TRAINING_LAYER.read_text().splitlines()) <= TRAINING_LAYER_MAX_LINES

@@ -27,7 +27,7 @@ from mixprec.comparison.runner import compare, load_inputs, run_specs
 from mixprec.comparison.summary import summarize
 from mixprec.comparison.training_run import train_run
 from mixprec.demo import CONTROLS, REAL_RECIPES, demo_config, training_gate
-from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.low_precision_linear import LowPrecisionLinear
 from mixprec.verdicts import DIFFERENT, EQUIVALENT, WORSE
 
 pytestmark = pytest.mark.demo
@@ -64,7 +64,7 @@ def test_the_demo_settles_what_it_promises(demo_run):
 
 
 def _fp8_layers(model):
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)]
 
 
 def zero_weight_gradients(model):

@@ -1,5 +1,5 @@
 """FP4 training (fp4-nvfp4, fp4-mxfp4): stochastic rounding onto E2M1, the recipes' operand layouts, and
-the three GEMMs of an FP4 Fp8Linear against references built from THE quantizer's dequantized operands
+the three GEMMs of an FP4 LowPrecisionLinear against references built from THE quantizer's dequantized operands
 (bit-exact: the emulated GEMM is one fp32 matmul of the same dequantized values)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec import ranks
 from mixprec.errors import MixprecError
 from mixprec.formats import E2M1
 from mixprec.gemm import native_available, scaled_mm
@@ -17,8 +18,8 @@ from mixprec.quantization import quantize
 from mixprec.recipes import MXFP4Training, NVFP4Training, from_name
 from mixprec.rounding import flat_indices, stochastic_round_to_grid, stream_key, uniform24
 from mixprec.scaling import Granularity
-from mixprec.training import fp8_linear
-from mixprec.training.fp8_linear import Fp8Linear, rounding_key
+from mixprec.training.low_precision_linear import LowPrecisionLinear
+from mixprec.training.quantizer_state import rounding_key
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # E2M1 magnitudes
 E2M1_ARGS = {"mantissa_bits": 1, "emin": 0, "max_value": 6.0}
@@ -116,9 +117,9 @@ def test_recipe_options_round_trip_and_layouts():
 # The three GEMMs
 
 
-def _layer(recipe: str, name: str = "blk.proj", seed: int = 0) -> Fp8Linear:
+def _layer(recipe: str, name: str = "blk.proj", seed: int = 0) -> LowPrecisionLinear:
     torch.manual_seed(seed)
-    return Fp8Linear.from_linear(nn.Linear(64, 48), recipe, name=name)
+    return LowPrecisionLinear.from_linear(nn.Linear(64, 48), recipe, name=name)
 
 
 @pytest.mark.parametrize("recipe", ["fp4-nvfp4", "fp4-nvfp4:2d=false", "fp4-mxfp4", "fp4-mxfp4:2d=true,even"])
@@ -172,7 +173,7 @@ def test_switches_turn_the_transform_and_the_rounding_off():
     assert torch.equal(layer.weight.grad, want)
 
 
-def _step(layer: Fp8Linear, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def _step(layer: LowPrecisionLinear, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     layer.weight.grad = None
     layer(x).backward(dy)
     layer.advance_scaling()
@@ -193,7 +194,7 @@ def test_stochastic_rounding_resumes_bit_identically_and_differs_by_rank(monkeyp
     assert torch.equal(_step(resumed, *batches[2]), uninterrupted)
     other = _layer("fp4-nvfp4:seed=9", seed=1)
     other.load_state_dict(saved)
-    monkeypatch.setattr(fp8_linear, "data_parallel_rank", lambda: 1)
+    monkeypatch.setattr(ranks, "rank", lambda group=None: 1)
     assert not torch.equal(_step(other, *batches[2]), uninterrupted)  # rank 1 draws other noise
 
 

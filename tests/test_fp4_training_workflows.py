@@ -20,8 +20,9 @@ from mixprec.scaling import Granularity, apply_blockwise
 from mixprec.sensitivity.profile import profile_model, quantizing_recipes
 from mixprec.sensitivity.statistics import quantization_counts
 from mixprec.training import TrainingStep, convert_for_training
-from mixprec.training.fp8_linear import Fp8Linear, rounding_key
+from mixprec.training.low_precision_linear import LowPrecisionLinear
 from mixprec.training.optim import AdamW
+from mixprec.training.quantizer_state import rounding_key
 from training.tiny_models import IDS, tiny_llama
 
 
@@ -39,7 +40,7 @@ def test_a_training_step_of_a_tiny_llama(recipe):
         losses.append(float(loss.detach()))
     assert all(math.isfinite(v) for v in losses)
     layer = model.get_submodule("model.layers.0.mlp.up_proj")
-    assert isinstance(layer, Fp8Linear) and layer.fp4_state.tolist() == [0, 2]
+    assert isinstance(layer, LowPrecisionLinear) and layer.fp4_state.tolist() == [0, 2]
     assert "model.layers.0.mlp.up_proj.fp4_state" in model.state_dict()
 
 
@@ -59,7 +60,7 @@ def test_keep_last_keeps_the_last_blocks_in_bf16():
 )
 def test_the_monitor_reports_fp4_saturation_and_underflow_per_role(recipe, grans):
     torch.manual_seed(0)
-    layer = Fp8Linear.from_linear(torch.nn.Linear(64, 48), recipe, name="l")
+    layer = LowPrecisionLinear.from_linear(torch.nn.Linear(64, 48), recipe, name="l")
     model = torch.nn.Sequential(layer)
     monitor = PrecisionMonitor(model, every=1)
     monitor.begin_step(0)

@@ -4,7 +4,7 @@ The profile runs high-precision (bf16) passes and quantizes each Linear's input,
 as every recipe would. Checked against (1) a plain reference: the same tensors captured by this test's
 own hooks, quantized with each recipe's layout and scales computed here from first principles (delayed
 scaling: the max amax of the earlier passes / fmt.max), clipped and flushed elements counted elementwise;
-(2) the real thing: an Fp8Linear trained with each recipe, observed by the PrecisionMonitor. Counts must
+(2) the real thing: a LowPrecisionLinear trained with each recipe, observed by the PrecisionMonitor. Counts must
 be equal exactly, the SNR to rounding.
 """
 
@@ -29,7 +29,7 @@ from mixprec.recipes import RECIPES, ROLES, Fp8Recipe, from_name
 from mixprec.scaling import Granularity
 from mixprec.sensitivity import Profile, profile_model, quantizing_recipes, write_profile
 from mixprec.training import advance_scaling_state, convert_for_training
-from mixprec.training.fp8_linear import rounding_key
+from mixprec.training.quantizer_state import rounding_key
 
 PASSES = 3
 TE_DELAYED = "fp8-delayed:growing=false"

@@ -77,7 +77,7 @@ def test_ddp_matches_single_process_on_combined_batch(results):
 def test_amax_reduction_gives_identical_scales_on_every_rank(results):
     assert all(results[0]["ddp_delayed"]["agree"])
     assert results[0]["ddp_delayed"]["scales"].equal(results[1]["ddp_delayed"]["scales"])
-    # one all_reduce per step for all layers: 2 Fp8Linear x (input, weight, grad_output)
+    # one all_reduce per step for all layers: 2 LowPrecisionLinear x (input, weight, grad_output)
     assert results[0]["ddp_delayed"]["amax_collectives"] == [6]
     # without the reduction the ranks' histories and scales drift apart (the test can fail)
     assert not results[0]["ddp_delayed_without_reduction"]["agree"]
@@ -120,13 +120,13 @@ def test_every_recipe_under_ddp_and_fsdp2(results, recipe):
 def test_fp8_all_gather_halves_bytes_and_changes_no_bit(results):
     r = results[0]["fp8_all_gather"]
     assert r["weight_type"] == "Fp8AllGatherWeight"
-    # the Fp8Linear units gather E4M3 payloads as bytes; the root unit (LayerNorm) gathers bf16
+    # the LowPrecisionLinear units gather E4M3 payloads as bytes; the root unit (LayerNorm) gathers bf16
     assert r["fp8_dtypes"] == ["torch.bfloat16", "torch.uint8"]
     assert r["fp8_bytes"] < 0.6 * r["plain_bytes"]
     # same payloads, and the scale recomputed from the gathered bf16 weight is the same (see module doc)
     assert r["fp8"] == r["plain"] == r["fp8_precomputed"]
     assert r["reduces_with_precompute"] == 0  # precompute_scales: no per-weight amax all_reduce
-    assert r["reduces_stale"] == 2  # shards changed since: one amax all_reduce per Fp8Linear weight
+    assert r["reduces_stale"] == 2  # shards changed since: one amax all_reduce per LowPrecisionLinear weight
 
 
 def test_wrong_order_is_a_clear_error(results):

@@ -51,7 +51,10 @@ def test_nan_guard_sees_loss_and_fp32_gradient_buffers():
 def test_amax_tensors_are_the_current_rows_of_delayed_layers():
     model = scenarios.build("fp8-delayed:history=16")
     rows = amax_tensors(model)
-    assert [tuple(t.shape) for t in rows] == [(3,), (3,)]  # one row (input, weight, grad) per Fp8Linear
+    assert [tuple(t.shape) for t in rows] == [
+        (3,),
+        (3,),
+    ]  # one row (input, weight, grad) per LowPrecisionLinear
     assert rows[0].data_ptr() == model.inp.amax_history[0].data_ptr()
     assert amax_tensors(scenarios.build("fp8-current")) == []
     assert reduce_amax(model) == 0  # one process: nothing to reduce
@@ -199,7 +202,7 @@ def test_fp8_all_gather_refuses_recipes_it_cannot_serve():
     for recipe in ("fp8-delayed", "fp8-rowwise", "fp8-blockwise"):
         with pytest.raises(MixprecError, match="fp8-current"):
             enable_fp8_all_gather(scenarios.build(recipe))
-    with pytest.raises(MixprecError, match="no Fp8Linear"):
+    with pytest.raises(MixprecError, match="no LowPrecisionLinear"):
         enable_fp8_all_gather(scenarios.build("bf16"))
     assert enable_fp8_all_gather(scenarios.build("fp8-current")) == 2
 

@@ -201,14 +201,16 @@ def test_native_kernel_report_on_hopper(dev):
 
 @pytest.mark.skipif(DRY_RUN, reason="needs CUDA")
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-blockwise"])
-def test_fp8_linear_compiles_on_gpu(dev, recipe):
-    """Inductor-compiled Fp8Linear forward+backward (native/fused kernels wired into mixprec.gemm): no
+def test_low_precision_linear_compiles_on_gpu(dev, recipe):
+    """Inductor-compiled LowPrecisionLinear forward+backward (native/fused kernels wired into mixprec.gemm): no
     graph breaks, results close to eager."""
-    fp8_linear = pytest.importorskip("mixprec.training.fp8_linear")
+    low_precision_linear = pytest.importorskip("mixprec.training.low_precision_linear")
     from mixprec.kernels.compiled import compile_options, graph_break_report
 
     torch._dynamo.reset()
-    layer = fp8_linear.Fp8Linear(1024, 512, recipe=recipe, device=dev, dtype=torch.bfloat16)
+    layer = low_precision_linear.LowPrecisionLinear(
+        1024, 512, recipe=recipe, device=dev, dtype=torch.bfloat16
+    )
     x = torch.randn(256, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
     ref = layer(x)  # eager first: kernel choices are made outside any trace
     ref.float().sum().backward()

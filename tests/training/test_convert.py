@@ -144,14 +144,14 @@ def test_bad_input():
 
 
 def test_fp8_default_policy_leaves_embeddings_norms_head_untouched_on_llama():
-    from mixprec.training.fp8_linear import Fp8Linear
+    from mixprec.training.low_precision_linear import LowPrecisionLinear
 
     m = tiny_llama(tie=True)
     report = convert_for_training(m, "fp8-delayed")
     assert type(m.model.embed_tokens) is nn.Embedding and type(m.lm_head) is nn.Linear
     assert type(m.model.norm).__name__ == "LlamaRMSNorm"
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
-    fp8 = {n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear)}
+    fp8 = {n for n, mod in m.named_modules() if isinstance(mod, LowPrecisionLinear)}
     assert fp8 == {
         f"model.layers.{i}.{p}"
         for i in range(2)
@@ -195,6 +195,19 @@ def test_fp8_moe_router_untouched_experts_grouped():
     assert snr > 20
     out = _step(m)
     assert moe.experts.gate_up_proj.grad is not None and torch.isfinite(out.loss)
+
+
+def test_fp4_moe_experts_grouped_with_their_rounding_state():
+    """FP4 recipes convert fused experts too: every expert's shell keeps FP4's [seed, step] buffer (made
+    on the experts' device, as delayed scaling's buffers are), and a step trains through them."""
+    m = tiny_mixtral()
+    report = convert_for_training(m, "fp4-nvfp4")
+    experts = m.model.layers[0].mlp.experts
+    assert report["model.layers.0.mlp.experts"].precision == "fp4:fp4-nvfp4"
+    shells = [*experts.fp8_gate_up, *experts.fp8_down]
+    assert all(s.fp4_state.tolist() == [0, 0] and s.fp4_state.device.type == "cpu" for s in shells)
+    _step(m)
+    assert experts.gate_up_proj.grad is not None
 
 
 def test_fp8_qwen_moe_shared_expert_and_router():

@@ -14,14 +14,14 @@ from torch.utils.checkpoint import checkpoint
 from mixprec.formats import E4M3, E5M2
 from mixprec.quantization import quantize
 from mixprec.training import scaling_state
-from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.low_precision_linear import LowPrecisionLinear
 
 IN, OUT = 64, 32
 
 
-def _layer(recipe="fp8-delayed:growing=false,history=4", seed=0) -> Fp8Linear:
+def _layer(recipe="fp8-delayed:growing=false,history=4", seed=0) -> LowPrecisionLinear:
     torch.manual_seed(seed)
-    return Fp8Linear.from_linear(nn.Linear(IN, OUT), recipe, name="l")
+    return LowPrecisionLinear.from_linear(nn.Linear(IN, OUT), recipe, name="l")
 
 
 def _micro_batch(layer, amp_x=1.0, amp_dy=1.0, seed=0):
@@ -122,8 +122,8 @@ def test_activation_checkpointing_reuses_the_steps_scales():
 def _model(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(IN, IN), nn.GELU(), nn.Linear(IN, OUT))
-    model[0] = Fp8Linear.from_linear(model[0], "fp8-delayed:growing=false,history=3")
-    model[2] = Fp8Linear.from_linear(model[2], "fp8-delayed:growing=false,history=3")
+    model[0] = LowPrecisionLinear.from_linear(model[0], "fp8-delayed:growing=false,history=3")
+    model[2] = LowPrecisionLinear.from_linear(model[2], "fp8-delayed:growing=false,history=3")
     return model
 
 

@@ -162,3 +162,15 @@ def test_each_recipe_carries_its_kind():
     assert not any(hasattr(cls, "is_fp8") for cls in recipes.RECIPES.values())
     with pytest.raises(MixprecError, match="GEMM"):
         DelayedScaling().gemm_layout("attention")
+
+
+def test_fp8_and_fp4_recipes_are_siblings_under_one_quantized_base():
+    """An FP4 recipe is no FP8 recipe: both families derive from QuantizedRecipe, whose instances are
+    exactly the recipes of the quantized kinds."""
+    assert not issubclass(recipes.Fp4Recipe, recipes.Fp8Recipe)
+    assert not issubclass(recipes.Fp8Recipe, recipes.Fp4Recipe)
+    for cls in recipes.RECIPES.values():
+        quantized = issubclass(cls, recipes.QuantizedRecipe)
+        assert quantized == (cls.kind in recipes.QUANTIZED_KINDS), cls
+        assert issubclass(cls, recipes.Fp8Recipe) == (cls.kind == "fp8"), cls
+        assert issubclass(cls, recipes.Fp4Recipe) == (cls.kind == "fp4"), cls

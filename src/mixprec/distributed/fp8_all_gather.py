@@ -13,7 +13,7 @@ Here the pre-all-gather takes the amax of the local shard, all_reduce(MAX)es it 
 E4M3 payload viewed as uint8 (gloo has no float8 dtype; FSDP2 packs mixed dtypes into a uint8 buffer).
 The post-all-gather decodes the gathered payload times the scale into the compute dtype.
 
-Numerics (measured in tests/distributed: bit-identical losses to the bf16 all-gather): the Fp8Linear
+Numerics (measured in tests/distributed: bit-identical losses to the bf16 all-gather): the LowPrecisionLinear
 re-quantizes the dense weight it receives with current scaling. Its payloads are the same (every
 element is an exact E4M3 value times the scale, rounded to bf16: a relative change below 2^-8 never moves
 it to another E4M3 value), and so is its scale: the amax `a` of a bf16 weight is a bf16 value and
@@ -161,10 +161,14 @@ def enable_fp8_all_gather(model: nn.Module, modules: list[nn.Module] | None = No
     """Give every fp8-current FP8 Linear of `model` an FP8 all-gather weight; call BEFORE shard_model /
     fully_shard. Returns how many weights were swapped; MixprecError when the recipe does not allow it."""
     targets = (
-        modules if modules is not None else [m for m in model.modules() if type(m).__name__ == "Fp8Linear"]
+        modules
+        if modules is not None
+        else [m for m in model.modules() if type(m).__name__ == "LowPrecisionLinear"]
     )
     if not targets:
-        raise MixprecError("FP8 all-gather: the model has no Fp8Linear (convert it with an FP8 recipe first)")
+        raise MixprecError(
+            "FP8 all-gather: the model has no LowPrecisionLinear (convert it with an FP8 recipe first)"
+        )
     refused = [type(getattr(m, "recipe", None)).__name__ for m in targets if not _is_per_tensor_current(m)]
     if refused:
         raise MixprecError(

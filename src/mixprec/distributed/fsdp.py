@@ -6,7 +6,7 @@ by a DTensor shard; converting afterwards would swap modules and dtypes under FS
 What FSDP2 means for FP8:
 - Activations and gradients are per-rank tensors: current-scaling recipes need no reduction; delayed
   scaling reduces its amax histories once per step (amax_reduction.reduce_amax).
-- Weights: FSDP2 all-gathers the whole weight before the forward, so the Fp8Linear sees the unsharded
+- Weights: FSDP2 all-gathers the whole weight before the forward, so the LowPrecisionLinear sees the unsharded
   weight and its weight amax (current scaling) is the amax of the whole weight, identical on every rank:
   every rank casts the gathered weight with one scale. With FP8 all-gather (fp8_all_gather.py) the cast
   happens on the shard BEFORE the all-gather, so there the amax is reduced over the shards first.
@@ -51,7 +51,7 @@ def default_mesh():
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The units to shard one by one: the classes a transformers model lists in _no_split_modules
-    (its decoder layers), else every module that owns a weight matrix (Linear, Fp8Linear, Embedding)."""
+    (its decoder layers), else every module that owns a weight matrix (Linear, LowPrecisionLinear, Embedding)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     if names:
         found = [m for m in model.modules() if type(m).__name__ in names]
@@ -88,7 +88,7 @@ def shard_model(
         register_fp32_grad_hook, rounding included (measured: identical losses). Needs every floating
         parameter in bf16. state_dict() then holds fp32 parameters.
     mp_policy: your own MixedPrecisionPolicy (overrides the above).
-    fp8_all_gather=True first swaps the weights of per-tensor-scaled Fp8Linear layers for the FP8
+    fp8_all_gather=True first swaps the weights of per-tensor-scaled LowPrecisionLinear layers for the FP8
     all-gather weight (fp8_all_gather.enable_fp8_all_gather), halving the all-gather bytes.
     """
     from torch.distributed.fsdp import fully_shard

@@ -1,7 +1,8 @@
 """Training recipes: which precision each tensor of a Linear gets, and how it is scaled.
 
-A recipe is a frozen dataclass. The FP8 recipes also say, for each of the three GEMMs of a Linear
-layer, how each operand is quantized (`gemm_layout`). The GEMM seam (`mixprec.gemm.scaled_mm`)
+A recipe is a frozen dataclass. The quantized recipes (QuantizedRecipe; its FP8 and FP4 families,
+Fp8Recipe and Fp4Recipe, are siblings) also say, for each of the three GEMMs of a Linear layer, how each
+operand is quantized (`gemm_layout`). The GEMM seam (`mixprec.gemm.scaled_mm`)
 computes a @ b.T with a [M, K] and b [N, K], so every operand is described in its own GEMM
 orientation, with the reduction dimension K as its columns:
 
@@ -31,20 +32,21 @@ import dataclasses
 
 from mixprec.errors import MixprecError
 from mixprec.recipes.base import (
-    FP8_FORMATS,
     GEMMS,
     KINDS,
     QUANTIZED_KINDS,
     ROLES,
-    Fp8Recipe,
     GemmLayout,
     OperandLayout,
+    QuantizedRecipe,
 )
 from mixprec.recipes.fp4 import Fp4Recipe, MXFP4Training, NVFP4Training
 from mixprec.recipes.fp8 import (
+    FP8_FORMATS,
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
+    Fp8Recipe,
     MXFP8Scaling,
     RowwiseScaling,
     UnscaledFp8,
@@ -170,6 +172,7 @@ __all__ = [
     "MXFP8Scaling",
     "NVFP4Training",
     "OperandLayout",
+    "QuantizedRecipe",
     "Recipe",
     "RowwiseScaling",
     "UnscaledFp8",

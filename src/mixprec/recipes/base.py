@@ -1,5 +1,5 @@
-"""What every recipe shares: the kinds, roles and GEMMs, the operand layouts, the quantizing-recipe
-mixin and the high-precision one."""
+"""What every recipe shares: the kinds, roles and GEMMs, the operand layouts, the base of the quantized
+recipes (FP8 and FP4 derive from it as siblings) and the high-precision one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3, E5M2, Format
+from mixprec.formats import Format
 from mixprec.recipes.options import spec_of
 from mixprec.scaling import Granularity
 
@@ -16,10 +16,9 @@ KINDS = ("fp32", "bf16", "bf16-amp", "fp16-amp", "fp8", "fp4")
 fp16 autocast, FP8 GEMMs or FP4 GEMMs (bf16 parameters). Training converts by kind; comparisons pick
 baselines and thresholds by kind."""
 QUANTIZED_KINDS = ("fp8", "fp4")
-"""The kinds whose Linear GEMMs run quantized (mixprec.training.Fp8Linear takes both)."""
+"""The kinds whose Linear GEMMs run quantized (mixprec.training.LowPrecisionLinear takes both)."""
 ROLES = ("input", "weight", "grad_output")
 GEMMS = ("output", "grad_input", "grad_weight")
-FP8_FORMATS = ("hybrid", "e4m3")
 
 
 @dataclass(frozen=True)
@@ -57,15 +56,17 @@ _OPERANDS = {
 }
 
 
-class Fp8Recipe:
-    """Shared behaviour of the FP8 recipes (a mixin for the frozen dataclasses below)."""
+class QuantizedRecipe:
+    """What every quantized recipe shares (a mixin for the frozen dataclasses of recipes.fp8 and
+    recipes.fp4): the operand layout of each GEMM from a format per role and a granularity per
+    operand, the formats, the description and the spec."""
 
     name: ClassVar[str]
-    kind: ClassVar[str] = "fp8"
+    kind: ClassVar[str]
     delayed: ClassVar[bool] = False  # scales from earlier steps' amax (module buffers)
 
     def role_format(self, role: str) -> Format:
-        return E4M3
+        raise NotImplementedError
 
     def granularity(self, role: str, transposed: bool) -> Granularity:
         raise NotImplementedError
@@ -127,18 +128,8 @@ def check_role(role: str) -> None:
         raise MixprecError(f"unknown tensor role {role!r}; roles are {', '.join(ROLES)}")
 
 
-def hybrid_format(fp8_format: str, role: str) -> Format:
-    # hybrid: E4M3 (more precision) for inputs and weights, E5M2 (more range) for gradients
-    return E5M2 if fp8_format == "hybrid" and role == "grad_output" else E4M3
-
-
-def check_fp8_format(fp8_format: str) -> None:
-    if fp8_format not in FP8_FORMATS:
-        raise MixprecError(f"fp8_format must be one of {', '.join(FP8_FORMATS)}, got {fp8_format!r}")
-
-
 class HighPrecisionRecipe:
-    """What every non-FP8 recipe shares: a spec() that from_name() reads back."""
+    """What every high-precision recipe shares: a spec() that from_name() reads back."""
 
     name: ClassVar[str]
     kind: ClassVar[str]
@@ -148,16 +139,13 @@ class HighPrecisionRecipe:
 
 
 __all__ = [
-    "FP8_FORMATS",
     "GEMMS",
     "KINDS",
     "QUANTIZED_KINDS",
     "ROLES",
-    "Fp8Recipe",
     "GemmLayout",
     "HighPrecisionRecipe",
     "OperandLayout",
-    "check_fp8_format",
+    "QuantizedRecipe",
     "check_role",
-    "hybrid_format",
 ]

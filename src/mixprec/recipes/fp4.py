@@ -7,11 +7,11 @@ from typing import ClassVar
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E2M1, Format
-from mixprec.recipes.base import Fp8Recipe
+from mixprec.recipes.base import QuantizedRecipe
 from mixprec.scaling import Granularity
 
 
-class Fp4Recipe(Fp8Recipe):
+class Fp4Recipe(QuantizedRecipe):
     """Shared behaviour of the FP4 recipes: E2M1 payloads everywhere, current (just-in-time) scales,
     the random Hadamard transform on the two wgrad operands, stochastic rounding of gradients.
 

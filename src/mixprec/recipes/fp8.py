@@ -7,9 +7,30 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format
-from mixprec.recipes.base import Fp8Recipe, check_fp8_format, hybrid_format
+from mixprec.formats import E4M3, E5M2, Format
+from mixprec.recipes.base import QuantizedRecipe
 from mixprec.scaling import Granularity
+
+FP8_FORMATS = ("hybrid", "e4m3")
+
+
+def hybrid_format(fp8_format: str, role: str) -> Format:
+    # hybrid: E4M3 (more precision) for inputs and weights, E5M2 (more range) for gradients
+    return E5M2 if fp8_format == "hybrid" and role == "grad_output" else E4M3
+
+
+def check_fp8_format(fp8_format: str) -> None:
+    if fp8_format not in FP8_FORMATS:
+        raise MixprecError(f"fp8_format must be one of {', '.join(FP8_FORMATS)}, got {fp8_format!r}")
+
+
+class Fp8Recipe(QuantizedRecipe):
+    """Shared behaviour of the FP8 recipes: E4M3 payloads unless a recipe gives a role E5M2."""
+
+    kind: ClassVar[str] = "fp8"
+
+    def role_format(self, role: str) -> Format:
+        return E4M3
 
 
 @dataclass(frozen=True)
@@ -133,10 +154,14 @@ class UnscaledFp8(Fp8Recipe):
 
 
 __all__ = [
+    "FP8_FORMATS",
     "BlockwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
+    "Fp8Recipe",
     "MXFP8Scaling",
     "RowwiseScaling",
     "UnscaledFp8",
+    "check_fp8_format",
+    "hybrid_format",
 ]

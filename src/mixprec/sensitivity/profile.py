@@ -17,7 +17,7 @@ lr = 0 (the default) keeps the weights, and the passes differ only by their batc
 Recipes: every recipe of the registry (mixprec.recipes.RECIPES) that quantizes (has `operand`), with
 its default options, unless a list is given: new recipes join without a change here. The FP4 recipes'
 stochastically rounded grad_output is quantized with the noise training would draw for it at that
-step (mixprec.training.fp8_linear.rounding_key: seed, pass as the step, rank 0, the first backward of
+step (mixprec.training.quantizer_state.rounding_key: seed, pass as the step, rank 0, the first backward of
 the step), so its counts are those of the FP4 run's first backward.
 """
 
@@ -40,9 +40,9 @@ from mixprec.scaling import as_2d
 from mixprec.sensitivity.simulate import RecipeScales, is_quantizing
 from mixprec.sensitivity.statistics import Counts, quantization_counts
 from mixprec.training import TrainingStep, convert_for_training
-from mixprec.training.fp8_linear import rounding_key
 from mixprec.training.optim import AdamW
 from mixprec.training.policy import Policy, decide
+from mixprec.training.quantizer_state import rounding_key
 
 SCHEMA_VERSION = 2  # 2: saturation leaves out block scales' own rounding; limits gained FP4's
 PRECISIONS = ("bf16", "fp32")

@@ -1,8 +1,8 @@
-"""The scales a recipe gives one layer's tensors, pass after pass, as Fp8Linear computes them.
+"""The scales a recipe gives one layer's tensors, pass after pass, as LowPrecisionLinear computes them.
 
 A high-precision pass through the model shows each layer's input, weight and grad_output; what an FP8
 run would do with them depends on the scale, and for delayed scaling the scale at pass t comes from
-the amax history of passes < t. `RecipeScales` keeps that history with the very functions Fp8Linear
+the amax history of passes < t. `RecipeScales` keeps that history with the very functions LowPrecisionLinear
 keeps it with (mixprec.training.scaling_state: record the amax of every quantized tensor into row 0,
 scale from the stored scale or, while a role has none, from the tensor's own amax, and advance once
 per pass as training advances once per optimizer step), so the simulation and the training layer
@@ -57,7 +57,7 @@ class RecipeScales:
         if not self.delayed:
             return
         r = self.recipe
-        # the arguments Fp8Linear.advance_scaling passes, read from the recipe the same way
+        # the arguments LowPrecisionLinear.advance_scaling passes, read from the recipe the same way
         options = {}
         if hasattr(r, "current_while_growing"):
             options["current_while_growing"] = r.current_while_growing

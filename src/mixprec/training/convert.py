@@ -5,9 +5,9 @@
 
 What each recipe kind does to the model:
 - fp8 (fp8-delayed, fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8): parameters to bf16; every Linear
-  the policy lets through becomes ``Fp8Linear`` (training-core's module, all three GEMMs in FP8); fused
+  the policy lets through becomes ``LowPrecisionLinear`` (training-core's module, all three GEMMs in FP8); fused
   3-D experts get FP8 GEMMs per expert (training/grouped.py) or are reported skipped.
-- fp4 (fp4-nvfp4, fp4-mxfp4): the same, with FP4 GEMMs (``Fp8Linear`` takes FP4 recipes); a recipe's
+- fp4 (fp4-nvfp4, fp4-mxfp4): the same, with FP4 GEMMs (``LowPrecisionLinear`` takes FP4 recipes); a recipe's
   ``keep_last=N`` keeps the model's last N blocks in bf16 (policy.last_blocks), after the policy's own rules.
 - bf16: parameters to bf16 ("pure" bf16; pair with mixprec.optim.AdamW for fp32 master weights,
   fp32 gradient accumulation and bf16 moments).
@@ -36,8 +36,8 @@ from mixprec.errors import MixprecError
 from mixprec.recipes import QUANTIZED_KINDS, from_name
 from mixprec.training import bf16_cpu
 from mixprec.training.fast_paths import true_fp32_hooks
-from mixprec.training.fp8_linear import Fp8Linear
 from mixprec.training.grouped import convert_experts
+from mixprec.training.low_precision_linear import LowPrecisionLinear
 from mixprec.training.policy import Decision, Policy, decide, keep_last_blocks
 
 
@@ -306,7 +306,7 @@ def _apply_fp8(
         e = entries[d.name]
         try:
             if isinstance(module, nn.Linear):
-                new = Fp8Linear.from_linear(module, recipe, name=d.name)
+                new = LowPrecisionLinear.from_linear(module, recipe, name=d.name)
             elif d.role == "experts":
                 new = convert_experts(module, recipe, name=d.name)
             else:

@@ -5,10 +5,11 @@ transformers stores the experts of a sparse MoE block as two parameters,
     down_proj    [E, H, I]
 and loops over the experts that received tokens. ``GroupedFp8Experts`` keeps those parameters (same
 objects, same names, so checkpoints and optimizers are unaffected) and runs each expert's two GEMMs
-through ``Fp8Linear.linear_with`` (mixprec.training.fp8_linear) — all three GEMMs of each, via
-the one GEMM seam — with one small per-expert "shell" layer holding that expert's recipe plan and
-scaling state (amax history under delayed scaling, so the monitor and the scaling advance see them
-like any Fp8Linear). A grouped kernel would batch the experts in one launch; the numerics are the same.
+through ``LowPrecisionLinear.linear_with`` (mixprec.training.low_precision_linear) — all three GEMMs
+of each, via the one GEMM seam — with one small per-expert "shell" layer holding that expert's recipe
+plan and scaling state (amax history under delayed scaling, FP4's [seed, step], so the monitor and the
+scaling advance see them like any LowPrecisionLinear). A grouped kernel would batch the experts in one
+launch; the numerics are the same.
 
 Layouts this does not know (transposed weights, biases, custom gating, interleaved gate/up) raise
 NotImplementedError, and convert_for_training lists the module as skipped with that reason.
@@ -23,21 +24,21 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.training import scaling_state
-from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.low_precision_linear import LowPrecisionLinear
+from mixprec.training.quantizer_state import recipe_buffers
 
 
 def _shell(out_features: int, in_features: int, recipe: Any, name: str, like: torch.Tensor) -> nn.Module:
-    """An Fp8Linear without a weight of its own: the expert's slice of the 3-D parameter is passed in."""
+    """A LowPrecisionLinear without a weight of its own: the expert's slice of the 3-D parameter is
+    passed in."""
 
     meta = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=like.dtype)
-    shell = Fp8Linear.from_linear(meta, recipe, name=name)
+    shell = LowPrecisionLinear.from_linear(meta, recipe, name=name)
     del shell.weight  # unregister the meta parameter: the expert's weight slice is passed per call
     shell.weight = torch.empty((), dtype=like.dtype, device=like.device).expand(out_features, in_features)
-    if shell._buffers:
-        fresh = scaling_state.new_buffers(shell.recipe.amax_history_len, like.device)
-        for key in list(shell._buffers):
-            shell._buffers[key] = fresh[key]
+    # the recipe's buffers were made on the meta weight's device: made again on the experts' device
+    for key, buf in recipe_buffers(shell.recipe, like.device).items():
+        shell._buffers[key] = buf
     return shell
 
 
@@ -88,7 +89,7 @@ class GroupedFp8Experts(nn.Module):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, shell: nn.Module) -> torch.Tensor:
         if shell.weight.dtype != weight.dtype or shell.weight.device != weight.device:
             shell.weight = torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        return shell.linear_with(x, weight)  # Fp8Linear's public entry for a weight passed in
+        return shell.linear_with(x, weight)  # LowPrecisionLinear's public entry for a weight passed in
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         out = torch.zeros_like(hidden_states)

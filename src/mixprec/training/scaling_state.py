@@ -1,6 +1,6 @@
 """Delayed-scaling state: amax history and scales in module buffers, advanced once per optimizer step.
 
-Layout (buffers of an Fp8Linear under DelayedScaling; saved in and restored from its state_dict):
+Layout (buffers of a LowPrecisionLinear under DelayedScaling; saved in and restored from its state_dict):
     amax_history  fp32 [history_len, 3]  columns = roles (input, weight, grad_output); row 0 is the
                   CURRENT step, rows 1.. the finished steps, newest first
     fp8_scale     fp32 [3]               the dequantization scale of each role used during this step;

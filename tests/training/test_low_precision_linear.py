@@ -1,5 +1,5 @@
-"""Fp8Linear: the three GEMMs against an fp64 reference on the same quantized operands (tight), against
-the unquantized layer (SNR bounds), outlier data, dtypes, backends, and the monitor observer protocol."""
+"""LowPrecisionLinear: the three GEMMs against an fp64 reference on the same quantized operands (tight),
+against the unquantized layer (SNR bounds), outlier data, dtypes, backends, and the monitor observer protocol."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec.training
 from mixprec.errors import MixprecError
 from mixprec.kernels.hardware import detect
 from mixprec.quantization import quantize
 from mixprec.recipes import from_name
 from mixprec.scaling import quantization_snr_db
-from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.linear_gemms import LinearGemms
+from mixprec.training.low_precision_linear import LowPrecisionLinear
+from mixprec.training.quantizer_state import QuantizerState
 
 RECIPES = [
     "fp8-delayed",
@@ -85,7 +88,7 @@ def test_three_gemms_match_fp64_reference_on_the_same_quantized_operands(gen, re
     lin = _gaussian_linear(gen)
     x = torch.randn(2, 128, 256, generator=gen)
     dy = torch.randn(2, 128, 192, generator=gen) * 1e-3
-    layer = Fp8Linear.from_linear(lin, recipe)
+    layer = LowPrecisionLinear.from_linear(lin, recipe)
     y, gx, gw, gb = _run(layer, x, dy)
     ref = _reference(recipe, x, lin.weight, lin.bias, dy)
     for got, gemm in (
@@ -106,7 +109,9 @@ def test_snr_against_the_unquantized_layer(recipe):
     x = torch.randn(256, 256, generator=gen)
     dy = torch.randn(256, 192, generator=gen)
     want = _run(lin, x, dy)
-    got = _run(Fp8Linear.from_linear(_gaussian_linear(torch.Generator().manual_seed(0)), recipe), x, dy)
+    got = _run(
+        LowPrecisionLinear.from_linear(_gaussian_linear(torch.Generator().manual_seed(0)), recipe), x, dy
+    )
     snr = [quantization_snr_db(w, g) for w, g in zip(want[:3], got[:3])]
     bounds = SNR_BOUNDS[recipe]
     assert all(s >= b for s, b in zip(snr, bounds)), f"{recipe}: SNR {snr} below {bounds}"
@@ -126,7 +131,7 @@ def test_finer_granularities_gain_on_outlier_tokens(gen):
     ref = lin(x).detach()
 
     def token_snr(recipe):
-        y = Fp8Linear.from_linear(lin, recipe)(x).detach()
+        y = LowPrecisionLinear.from_linear(lin, recipe)(x).detach()
         return sum(quantization_snr_db(ref[i], y[i]) for i in range(256)) / 256  # mean per-token SNR
 
     snr = {r: token_snr(r) for r in ("fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8")}
@@ -143,8 +148,8 @@ def test_bf16_compute_dtype_is_the_fp32_result_rounded(gen, recipe):
     lin32.load_state_dict({k: v.float() for k, v in lin16.state_dict().items()})
     x = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
     dy = (torch.randn(64, 192, generator=gen) * 1e-2).to(torch.bfloat16)
-    got = _run(Fp8Linear.from_linear(lin16, recipe), x, dy)
-    want = _run(Fp8Linear.from_linear(lin32, recipe), x.float(), dy.float())
+    got = _run(LowPrecisionLinear.from_linear(lin16, recipe), x, dy)
+    want = _run(LowPrecisionLinear.from_linear(lin32, recipe), x.float(), dy.float())
     assert [t.dtype for t in got] == [torch.bfloat16] * 4
     for g, w in zip(got[:3], want[:3]):
         assert torch.equal(g, w.to(torch.bfloat16))
@@ -156,31 +161,31 @@ def test_native_and_emulated_backends_agree(gen, recipe):
     lin = _gaussian_linear(gen, 32, 48)
     x = torch.randn(32, 32, generator=gen)
     dy = torch.randn(32, 48, generator=gen)
-    emu = _run(Fp8Linear.from_linear(lin, recipe, backend="emulated"), x, dy)
+    emu = _run(LowPrecisionLinear.from_linear(lin, recipe, backend="emulated"), x, dy)
     lin.weight.grad = lin.bias.grad = None
-    nat = _run(Fp8Linear.from_linear(lin, recipe, backend="native"), x, dy)
+    nat = _run(LowPrecisionLinear.from_linear(lin, recipe, backend="native"), x, dy)
     for e, n in zip(emu, nat):
         assert torch.allclose(e, n, rtol=1e-5, atol=1e-6 * e.abs().max().item())
 
 
 def test_from_linear_shares_parameters_and_state_dict(gen):
     lin = _gaussian_linear(gen)
-    cur = Fp8Linear.from_linear(lin, "fp8-current", name="mlp.up")
+    cur = LowPrecisionLinear.from_linear(lin, "fp8-current", name="mlp.up")
     assert cur.weight is lin.weight and cur.bias is lin.bias
     assert cur.state_dict().keys() == lin.state_dict().keys()
-    delayed = Fp8Linear.from_linear(lin, "fp8-delayed:history=8")
+    delayed = LowPrecisionLinear.from_linear(lin, "fp8-delayed:history=8")
     assert set(delayed.state_dict()) == {"weight", "bias", "amax_history", "fp8_scale", "scaling_step"}
     assert delayed.amax_history.shape == (8, 3)
     assert "fp8-delayed:history=8" in repr(delayed)
     back = delayed.to_linear()
     assert isinstance(back, nn.Linear) and back.weight is lin.weight
-    fresh = Fp8Linear(256, 192, bias=False, recipe="fp8-rowwise")
+    fresh = LowPrecisionLinear(256, 192, bias=False, recipe="fp8-rowwise")
     assert fresh.bias is None and fresh.weight.shape == (192, 256)
 
 
 def test_partial_grads_three_dims_and_no_bias(gen):
     lin = _gaussian_linear(gen, bias=False)
-    layer = Fp8Linear.from_linear(lin, "fp8-blockwise")
+    layer = LowPrecisionLinear.from_linear(lin, "fp8-blockwise")
     x = torch.randn(2, 3, 256, generator=gen)  # input needs no grad (a first layer)
     y = layer(x)
     assert y.shape == (2, 3, 192)
@@ -195,21 +200,21 @@ def test_partial_grads_three_dims_and_no_bias(gen):
 def test_bad_inputs(gen):
     lin = _gaussian_linear(gen)
     with pytest.raises(MixprecError, match="not an FP8 recipe"):
-        Fp8Linear.from_linear(lin, "bf16")
+        LowPrecisionLinear.from_linear(lin, "bf16")
     with pytest.raises(MixprecError, match="unknown recipe"):
-        Fp8Linear.from_linear(lin, "fp8-magic")
+        LowPrecisionLinear.from_linear(lin, "fp8-magic")
     with pytest.raises(MixprecError, match=r"expected nn\.Linear"):
-        Fp8Linear.from_linear(nn.Conv1d(3, 3, 1), "fp8-current")  # type: ignore[arg-type]
+        LowPrecisionLinear.from_linear(nn.Conv1d(3, 3, 1), "fp8-current")  # type: ignore[arg-type]
     with pytest.raises(MixprecError, match="backend"):
-        Fp8Linear.from_linear(lin, "fp8-current", backend="cuda")
+        LowPrecisionLinear.from_linear(lin, "fp8-current", backend="cuda")
     with pytest.raises(MixprecError, match="features"):
-        Fp8Linear.from_linear(lin, "fp8-current", name="up")(torch.randn(4, 100))
+        LowPrecisionLinear.from_linear(lin, "fp8-current", name="up")(torch.randn(4, 100))
 
 
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8"])
 def test_observer_protocol(gen, recipe):
     lin = _gaussian_linear(gen)
-    layer = Fp8Linear.from_linear(lin, recipe, name="blocks.0.up")
+    layer = LowPrecisionLinear.from_linear(lin, recipe, name="blocks.0.up")
     calls = []
 
     def observer(name, role, tensor, scale, fmt):
@@ -234,7 +239,7 @@ def test_observer_protocol(gen, recipe):
 def test_linear_with_an_external_weight(gen):
     """The grouped-experts path: one layer's recipe and state, a weight slice passed per call."""
     lin = _gaussian_linear(gen, bias=False)
-    layer = Fp8Linear.from_linear(lin, "fp8-rowwise")
+    layer = LowPrecisionLinear.from_linear(lin, "fp8-rowwise")
     x = torch.randn(32, 256, generator=gen)
     w = lin.weight.detach().clone().requires_grad_(True)
     y = layer.linear_with(x, w)
@@ -264,7 +269,10 @@ def test_weight_cast_cached_across_micro_batches_bit_identical(gen, recipe):
     lin = _gaussian_linear(gen, 256, 128)
     xs = [torch.randn(16, 256, generator=gen) for _ in range(3)]
     dy = torch.randn(16, 128, generator=gen)
-    cached, plain = Fp8Linear.from_linear(lin, recipe), Fp8Linear.from_linear(_copy(lin), recipe)
+    cached, plain = (
+        LowPrecisionLinear.from_linear(lin, recipe),
+        LowPrecisionLinear.from_linear(_copy(lin), recipe),
+    )
     plain.cache_weight_casts = False
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cached, plain)]
     for _step in range(3):  # micro-batches 2..n reuse the payload; the optimizer step invalidates it
@@ -294,7 +302,7 @@ def test_weight_cast_cache_invalidation(gen):
     and by advance_scaling(); a delayed-scaling scale change invalidates; other weights are not cached."""
     from mixprec.training.weight_cache import cache_of
 
-    layer = Fp8Linear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-current")
+    layer = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-current")
     x = torch.randn(8, 64, generator=gen)
 
     def fresh() -> bool:
@@ -314,7 +322,7 @@ def test_weight_cast_cache_invalidation(gen):
     layer.advance_scaling()  # once per optimizer step, for every recipe
     assert fresh() and not fresh()
 
-    delayed = Fp8Linear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-delayed")
+    delayed = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-delayed")
     delayed(x).sum().backward()
     delayed.advance_scaling()
     misses = cache_of(delayed).misses
@@ -334,3 +342,64 @@ def _uncached(layer, x):
             return layer(x)
     finally:
         layer.cache_weight_casts = True
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GEMMs' autograd Function is given the layer's quantizer state, never the layer
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-rowwise", "fp4-nvfp4"])
+def test_the_gemm_function_receives_no_module(gen, recipe, monkeypatch):
+    """A spy on LinearGemms.apply: through forward, linear_with and backward, no argument and nothing
+    kept for the backward (the autograd node's attributes) is an nn.Module."""
+    calls = []
+    apply = LinearGemms.apply
+
+    def spy(*args):
+        calls.append(args)
+        return apply(*args)
+
+    monkeypatch.setattr(LinearGemms, "apply", spy)
+    layer = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), recipe, name="blocks.0.up")
+    x = torch.randn(16, 64, generator=gen, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    layer.linear_with(x, layer.weight.detach().clone().requires_grad_(True)).sum().backward()
+    assert len(calls) == 2 and x.grad is not None
+    assert not [a for args in calls for a in args if isinstance(a, nn.Module)]
+    assert any(isinstance(a, QuantizerState) for a in calls[0])
+    kept = vars(y.grad_fn)
+    assert kept["state"] is layer.quantizer
+    assert not [k for k, v in kept.items() if isinstance(v, nn.Module)]
+
+
+def test_fp8_linear_is_the_deprecated_alias_of_the_new_class():
+    with pytest.warns(DeprecationWarning, match="removed in the next release"):
+        assert mixprec.training.Fp8Linear is LowPrecisionLinear
+
+
+def test_the_quantizer_state_reads_the_buffers_the_layer_holds_now(gen):
+    """The state reads the layer's buffer table, so .to(), a deepcopy and load_state_dict leave no stale
+    tensor behind: the amax a forward records lands in the buffer the layer holds."""
+    import copy
+
+    layer = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp8-delayed", name="l")
+    x = torch.randn(8, 64, generator=gen)
+    before = layer.amax_history
+    layer.to(torch.float64).to(torch.float32)  # every buffer a new tensor
+    assert layer.amax_history is not before
+    layer(x).sum().backward()
+    assert (layer.amax_history[0] > 0).all() and (before == 0).all()
+    copied = copy.deepcopy(layer)
+    assert (
+        copied.quantizer is not layer.quantizer
+        and copied.quantizer.weight_cache is not layer.quantizer.weight_cache
+    )
+    layer.amax_history.zero_()
+    copied.amax_history.zero_()
+    copied(x).sum().backward()
+    assert (copied.amax_history[0] > 0).all() and (layer.amax_history == 0).all()
+    fp4 = LowPrecisionLinear.from_linear(_gaussian_linear(gen, 64, 32), "fp4-nvfp4:seed=7")
+    fp4.load_state_dict({**fp4.state_dict(), "fp4_state": torch.tensor([7, 5])}, assign=True)
+    assert fp4.quantizer.rounding.buffers["fp4_state"] is fp4.fp4_state
+    assert fp4.fp4_state.tolist() == [7, 5] and fp4.quantizer.weight_generation == 1

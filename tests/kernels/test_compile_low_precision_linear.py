@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from mixprec.kernels.compiled import graph_break_report
-from mixprec.training.fp8_linear import Fp8Linear
+from mixprec.training.low_precision_linear import LowPrecisionLinear
 
 
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-mxfp8"])  # the others: fullgraph below
 def test_forward_has_no_graph_breaks(recipe):
-    layer = Fp8Linear(256, 128, recipe=recipe)
+    layer = LowPrecisionLinear(256, 128, recipe=recipe)
     report = graph_break_report(layer, torch.randn(4, 256, requires_grad=True))
     assert report["graph_breaks"] == 0, report["reasons"]
     assert report["graphs"] == 1
@@ -26,7 +26,7 @@ def test_forward_has_no_graph_breaks(recipe):
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-rowwise", "fp8-blockwise"])
 def test_forward_and_backward_compile_fullgraph(recipe):
     torch.manual_seed(0)
-    layer = Fp8Linear(256, 128, recipe=recipe)
+    layer = LowPrecisionLinear(256, 128, recipe=recipe)
     x = torch.randn(4, 256, requires_grad=True)
     torch._dynamo.reset()
     ref = layer(x)
@@ -53,7 +53,7 @@ def test_delayed_scaling_after_an_advance_compiles_forward_and_backward():
         torch.manual_seed(0)
         # growing=false: after this first advance the default would scale step 2 from its own amax (a
         # record step, see mixprec.training.scaling_state); the test needs the history's scale
-        layer = Fp8Linear(256, 128, recipe="fp8-delayed:growing=false")
+        layer = LowPrecisionLinear(256, 128, recipe="fp8-delayed:growing=false")
         layer(torch.randn(4, 256)).sum().backward()  # step 1: records the amax history
         layer.advance_scaling()
         layer.weight.grad = None
