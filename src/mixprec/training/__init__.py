@@ -27,7 +27,7 @@ _EXPORTS = {
     "make_grad_scaler": "mixprec.training.step:make_grad_scaler",
     "advance_scaling_state": "mixprec.training.step:advance_scaling_state",
     "clip_grad_norm_": "mixprec.training.step:clip_grad_norm_",
-    "fp32_compute": "mixprec.training.bf16_cpu:fp32_compute",
+    "fp32_compute": "mixprec.kernels.bf16_cpu:fp32_compute",
 }
 
 __all__ = list(_EXPORTS)

@@ -16,7 +16,7 @@ What each recipe kind does to the model:
   ``mixprec.training.make_grad_scaler(model)`` (guide defaults init_scale 2**14, growth_interval 1000).
 - fp32: parameters to fp32; the forward and backward run with TF32 off even if enable_fast_paths() is on.
 On CPUs without AVX-512-BF16 / AMX, every bf16/fp16 GEMM of the converted model computes in fp32 and
-rounds (training/bf16_cpu.py; ``cpu_bf16_gemm`` chooses).
+rounds (kernels/bf16_cpu.py; ``cpu_bf16_gemm`` chooses).
 Modules the policy keeps stay in the recipe's high precision; rule action "fp32" makes an fp32 island.
 """
 
@@ -33,8 +33,8 @@ from torch import nn
 
 from mixprec.conversion import ConversionReport, ModuleEntry, replace_submodule
 from mixprec.errors import MixprecError
+from mixprec.kernels import bf16_cpu
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.training import bf16_cpu
 from mixprec.training.fast_paths import true_fp32_hooks
 from mixprec.training.fp8_linear import Fp8Linear
 from mixprec.training.grouped import convert_experts
