@@ -13,9 +13,9 @@ Configurations
 - fp32: nn.Linear in fp32, torch.optim.AdamW.
 - bf16: bf16 parameters with the CPU GEMM path mixprec picks for this machine (native bf16 matmul
   where the CPU has AVX-512-BF16 / AMX, else fp32 matmul rounded to bf16, mixprec.kernels.bf16_cpu),
-  mixprec.optim.AdamW (fp32 master weights, bf16 moments). The row after it forces the other path
+  mixprec.AdamW (fp32 master weights, bf16 moments). The row after it forces the other path
   (bf16-fp32-compute on a CPU with bf16 units, bf16-native on one without) to show what it would cost.
-- fp8-*: mixprec Fp8Linear (emulated GEMMs on CPU), bf16 parameters, mixprec.optim.AdamW.
+- fp8-*: mixprec Fp8Linear (emulated GEMMs on CPU), bf16 parameters, mixprec.AdamW.
 - torchao-tensorwise / torchao-rowwise: torchao.float8.convert_to_float8_training with emulate=True
   (its non-emulated path calls torch._scaled_mm, a reference loop on CPU), bf16 parameters, the same
   optimizer as the fp8 rows.
