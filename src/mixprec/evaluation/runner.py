@@ -93,10 +93,7 @@ def evaluate(
     ref, cand, processor = _load_models(job, inputs)
     figures, per_sample = _run_tasks(job, ref, cand, inputs, processor)
     intervals = _add_intervals(figures, per_sample, job.bootstrap)
-    ref_desc, cand_desc = ref.describe(), cand.describe()
-    for side in (ref, cand):  # a caller's module must not keep our hooks
-        if side.hooks is not None:
-            side.hooks.remove()
+    ref_desc, cand_desc = _describe_and_unhook(ref, cand)
     memory = _memory(ref_desc, cand_desc, job.device)
     headline = dict(figures[job.tasks[0]]["throughput"])
     gate_results = check_gates(job.gates, figures, memory, headline, intervals, strict=job.strict)
@@ -242,6 +239,15 @@ def _add_intervals(figures: dict[str, dict], per_sample: dict[str, dict], bootst
     for name, ivs in intervals.items():
         figures[name]["intervals"] = {k: None if v is None else v.to_dict() for k, v in ivs.items()}
     return intervals
+
+
+def _describe_and_unhook(ref: Side, cand: Side) -> tuple[dict, dict]:
+    """What each side is (before its hooks go), then the hooks removed: a caller's module must not keep them."""
+    descriptions = ref.describe(), cand.describe()
+    for side in (ref, cand):
+        if side.hooks is not None:
+            side.hooks.remove()
+    return descriptions
 
 
 def _memory(ref_desc: dict, cand_desc: dict, device: torch.device) -> dict:
