@@ -12,10 +12,10 @@ fp32 measured in the same run.
 Configurations
 - fp32: nn.Linear in fp32, torch.optim.AdamW.
 - bf16: bf16 parameters with the CPU GEMM path mixprec picks for this machine (native bf16 matmul
-  where the CPU has AVX-512-BF16 / AMX, else fp32 matmul rounded to bf16, mixprec.training.bf16_cpu),
-  mixprec.optim.AdamW (fp32 master weights, bf16 moments). The row after it forces the other path
+  where the CPU has AVX-512-BF16 / AMX, else fp32 matmul rounded to bf16, mixprec.kernels.bf16_cpu),
+  mixprec.AdamW (fp32 master weights, bf16 moments). The row after it forces the other path
   (bf16-fp32-compute on a CPU with bf16 units, bf16-native on one without) to show what it would cost.
-- fp8-*: mixprec LowPrecisionLinear (emulated GEMMs on CPU), bf16 parameters, mixprec.optim.AdamW.
+- fp8-*: mixprec LowPrecisionLinear (emulated GEMMs on CPU), bf16 parameters, mixprec.AdamW.
 - torchao-tensorwise / torchao-rowwise: torchao.float8.convert_to_float8_training with emulate=True
   (its non-emulated path calls torch._scaled_mm, a reference loop on CPU), bf16 parameters, the same
   optimizer as the fp8 rows.
@@ -72,7 +72,7 @@ def build(name: str, layers: int, width: int, device: str = "cpu") -> Setup:
         # "bf16": the path convert_for_training picks on this machine (cpu_bf16_gemm="auto": native bf16
         # GEMMs where the CPU has AVX-512-BF16 / AMX, else fp32 compute rounded to bf16); the other two
         # force one path, to show what the other choice would cost here.
-        from mixprec.training import bf16_cpu
+        from mixprec.kernels import bf16_cpu
 
         mode = {"bf16": "auto", "bf16-fp32-compute": "fp32", "bf16-native": "native"}[name]
         note = ""
@@ -140,7 +140,7 @@ def time_round_robin(
 
 
 def cpu_table(reps: int, layers: int, width: int, tokens: int, torchao: bool = True) -> str:
-    from mixprec.training.bf16_cpu import cpu_has_fast_bf16
+    from mixprec.kernels.bf16_cpu import cpu_has_fast_bf16
 
     other = "bf16-fp32-compute" if cpu_has_fast_bf16() else "bf16-native"
     names = ["fp32", "bf16", other, *[k for k in CPU_TARGETS if k.startswith("fp8")]]

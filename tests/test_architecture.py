@@ -327,21 +327,61 @@ def test_strings_that_only_look_like_modules_are_not_imports():
     ]
 
 
-LAZY_PACKAGES = ("mixprec", "mixprec.training", "mixprec.inference")
+def lazy_tables(src: Path = SRC) -> dict[str, dict[str, dict[str, str]]]:
+    """{package: {table: {public name: where}}} for every package whose __init__ assigns a lazy table
+    (`_EXPORTS`: "module:attribute"; `_MODULES`: a module), read from the syntax trees."""
+    found: dict[str, dict[str, dict[str, str]]] = {}
+    for path in sorted(src.rglob("__init__.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if getattr(target, "id", "") in LAZY_TABLES:
+                        tables = found.setdefault(module_name(path, src), {})
+                        tables[target.id] = ast.literal_eval(node.value)
+    return found
 
 
-@pytest.mark.parametrize("package", LAZY_PACKAGES)
+LAZY = lazy_tables()
+
+
+def test_the_lazy_namespaces_are_found():
+    assert {"mixprec", "mixprec.training", "mixprec.inference"} <= set(LAZY)
+    assert all(tables.get("_EXPORTS") or tables.get("_MODULES") for tables in LAZY.values())
+
+
+@pytest.mark.parametrize("package", sorted(LAZY))
 def test_every_lazy_export_resolves_to_what_its_table_names(package):
-    """Each public name of a lazy namespace is importable by its dotted name and is the very object its
-    table entry ("module:attribute") names: a typo in the table would surface only when a user asks."""
+    """Each public name of a lazy namespace is importable by its public dotted name and is the very object
+    its table entry names: `from mixprec.pkg import Name` gives the table's "module:attribute", and a
+    public module `mixprec.pkg.X` of `_MODULES` imports as `import mixprec.pkg.X` (an attribute that only
+    resolves through the table would fail there). A typo in a table would surface only when a user asks."""
     namespace = importlib.import_module(package)
-    table = namespace._EXPORTS
-    assert set(namespace.__all__) >= set(table)
-    for name, entry in table.items():
+    tables = LAZY[package]
+    exports = tables.get("_EXPORTS", {})
+    assert set(namespace.__all__) >= set(exports)
+    for name, entry in exports.items():
         module, attr = entry.split(":")
-        assert getattr(namespace, name) is getattr(importlib.import_module(module), attr), (package, name)
-    for name, module in getattr(namespace, "_MODULES", {}).items():
-        assert getattr(namespace, name) is importlib.import_module(module), (package, name)
+        imported: dict[str, object] = {}
+        exec(f"from {package} import {name}", imported)
+        assert imported[name] is getattr(importlib.import_module(module), attr), (package, name)
+    for name, module in tables.get("_MODULES", {}).items():
+        public = importlib.import_module(f"{package}.{name}")
+        assert public is importlib.import_module(module), (package, name)
+        assert getattr(namespace, name) is public, (package, name)
+
+
+@pytest.mark.parametrize(
+    ("old", "real"), [("optim", "mixprec.training.optim"), ("hardware", "mixprec.kernels.hardware")]
+)
+def test_the_old_module_attributes_warn_and_name_the_real_module(old, real):
+    """`mixprec.optim` and `mixprec.hardware` were attributes that `import mixprec.optim` could not import:
+    for one release they still resolve, with a DeprecationWarning that says where the module lives."""
+    import mixprec
+
+    with pytest.warns(DeprecationWarning, match=re.escape(real)):
+        module = getattr(mixprec, old)
+    assert module is importlib.import_module(real)
+    assert old not in LAZY["mixprec"].get("_MODULES", {})
 
 
 # ---- one notion of rank, one training loop ---------------------------------------------------------

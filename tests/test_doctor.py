@@ -1,5 +1,5 @@
 """`mixprec doctor` says what runs, because it asks the code that decides: the GEMM seam per scaling kind
-(mixprec.gemm.will_emulate), the bf16 CPU path (training.bf16_cpu.should_install); and it recommends what
+(mixprec.gemm.will_emulate), the bf16 CPU path (kernels.bf16_cpu.should_install); and it recommends what
 fits the machine. GPUs are faked: capabilities replaced, operands built as fake CUDA tensors."""
 
 from __future__ import annotations

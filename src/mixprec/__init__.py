@@ -7,6 +7,7 @@ The public names are imported lazily, so `import mixprec` stays cheap and the he
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -39,16 +40,21 @@ _EXPORTS = {
     "PrecisionMonitor": "mixprec.monitor:PrecisionMonitor",
 }
 
-# public module name -> where it lives (the namespace of `mixprec.<name>`, not an importable alias)
+# public module name -> the module (each importable as `mixprec.<name>` too)
 _MODULES = {
     "recipes": "mixprec.recipes",
-    "optim": "mixprec.training.optim",
     "monitor": "mixprec.monitor",
     "formats": "mixprec.formats",
     "scaling": "mixprec.scaling",
-    "hardware": "mixprec.kernels.hardware",
     "gemm": "mixprec.gemm",
     "distributed": "mixprec.distributed",
+}
+
+# old attribute names of modules that live elsewhere: `mixprec.optim` worked as an attribute but not as
+# `import mixprec.optim`, so they warn and point at the real module; removed in the next release
+_DEPRECATED_MODULES = {
+    "optim": "mixprec.training.optim",
+    "hardware": "mixprec.kernels.hardware",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -60,4 +66,12 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     if name in _MODULES:
         return importlib.import_module(_MODULES[name])
+    if name in _DEPRECATED_MODULES:
+        real = _DEPRECATED_MODULES[name]
+        warnings.warn(
+            f"mixprec.{name} is deprecated and will be removed in the next release: use {real}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(real)
     raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

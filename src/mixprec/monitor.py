@@ -202,7 +202,7 @@ class PrecisionMonitor:
     jsonl_path: str | os.PathLike | None = None
     watch_activations: bool = False
     check_gradients: bool = True
-    # where gradients live: an optimizer with .grad(p) (mixprec.optim.AdamW keeps the gradients of bf16
+    # where gradients live: an optimizer with .grad(p) (mixprec.AdamW keeps the gradients of bf16
     # parameters in fp32 buffers, p.grad is None) — or None for p.grad
     optimizer: Any = None
     records: list[dict] = field(default_factory=list, repr=False)  # precision records, in memory

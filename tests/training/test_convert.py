@@ -274,7 +274,7 @@ def test_fast_paths_report_and_undo():
 
 
 def test_cpu_bf16_gemm_choice():
-    from mixprec.training import bf16_cpu
+    from mixprec.kernels import bf16_cpu
 
     m = tiny_llama()
     report = convert_for_training(m, "bf16", cpu_bf16_gemm="fp32")

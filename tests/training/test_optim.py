@@ -1,4 +1,4 @@
-"""mixprec.optim.AdamW: torch's numbers on fp32, fp32 master/grad accumulation on bf16, state round-trip."""
+"""mixprec.training.optim.AdamW: torch's numbers on fp32, fp32 master/grad accumulation on bf16, state round-trip."""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def _bf16_run(seed, steps=3, **kw):
 def test_fused_step_equals_the_per_parameter_reference(monkeypatch, kw):
     # the per-parameter path (used for DTensor shards) is the plain, op-by-op form of the update
     m1, opt1 = _bf16_run(0, **kw)
-    monkeypatch.setattr("mixprec.optim._is_dtensor", lambda t: True)
+    monkeypatch.setattr("mixprec.training.optim._is_dtensor", lambda t: True)
     m2, opt2 = _bf16_run(0, **kw)
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)

@@ -126,22 +126,7 @@ def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--recipes",
-        default=",".join(DEFAULT_RECIPES),
-        help="comma-separated recipe names (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=DEFAULT_STEPS, help="training steps per recipe (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
-    )
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument(
-        "--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: %(default)s)"
-    )
+    add_training_arguments(parser)
     add_model_and_data_arguments(parser)
     parser.add_argument(
         "--out", default=None, help="output directory for summary.json, metrics.jsonl, report.html"
@@ -159,29 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "initial model finds beyond --max-saturation / --max-underflow (or below 20 dB SNR) stay in bf16 "
         "(docs/profile.md) (default: %(default)s)",
     )
-    parser.add_argument(
-        "--null-runs",
-        type=int,
-        default=DEFAULT_NULL_RUNS,
-        help="rounding-level null runs per baseline (same batches, initial weights moved by one ulp): "
-        "their band is the yardstick of every verdict; 0: no band (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--recipe-null-runs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="re-run every judged recipe --null-runs times from perturbed weights too, so its own scatter is "
-        "measured; --no-recipe-null-runs takes it to equal its baseline's, except against fp32 "
-        "(docs/compare.md) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--order-noise",
-        action="store_true",
-        help="also re-run each baseline with another data order (reported beside the band, not judged)",
-    )
-    parser.add_argument(
-        "--no-noise", action="store_true", help="no null runs and no data-order run (--null-runs 0)"
-    )
+    add_noise_arguments(parser)
     add_verdict_arguments(parser)
     parser.add_argument(
         "--monitor-every",
@@ -205,6 +168,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='JSON object of further CompareConfig fields (e.g. \'{"model_config": {"hidden_size": 64}}\')',
     )
+    add_data_parallel_arguments(parser)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipes and how each is trained: steps, evaluation interval, batch, sequence length, rate."""
+    parser.add_argument(
+        "--recipes",
+        default=",".join(DEFAULT_RECIPES),
+        help="comma-separated recipe names (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="training steps per recipe (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=None, help="held-out evaluation interval (default: steps/20)"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: %(default)s)"
+    )
+
+
+def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
+    """The null runs whose band is every verdict's yardstick, and the data-order run."""
+    parser.add_argument(
+        "--null-runs",
+        type=int,
+        default=DEFAULT_NULL_RUNS,
+        help="rounding-level null runs per baseline (same batches, initial weights moved by one ulp): "
+        "their band is the yardstick of every verdict; 0: no band (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--recipe-null-runs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-run every judged recipe --null-runs times from perturbed weights too, so its own scatter is "
+        "measured; --no-recipe-null-runs takes it to equal its baseline's, except against fp32 "
+        "(docs/compare.md) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--order-noise",
+        action="store_true",
+        help="also re-run each baseline with another data order (reported beside the band, not judged)",
+    )
+    parser.add_argument(
+        "--no-noise", action="store_true", help="no null runs and no data-order run (--null-runs 0)"
+    )
+
+
+def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the runs are spread over the ranks under torchrun."""
     dp = parser.add_argument_group("data parallelism, under torchrun")
     dp.add_argument(
         "--dp",

@@ -4,7 +4,7 @@ The hardware rows are facts about the chips (mixprec.kernels.hardware.detect). E
 the decision the code itself takes, asked the same way the code asks it, so the two cannot disagree:
 the FP8 GEMM of each scaling kind from the GEMM seam (mixprec.gemm.will_emulate on operands of that
 kind on this device, the function scaled_mm calls), the bf16 GEMM path on a CPU from
-mixprec.training.bf16_cpu.should_install (what convert_for_training calls), quantization, compile
+mixprec.kernels.bf16_cpu.should_install (what convert_for_training calls), quantization, compile
 and triton from mixprec.kernels.native.native_kernel_report. A GPU with MXFP8 tensor cores therefore
 shows "MXFP8 tensor cores: yes" next to "FP8 GEMM mxfp8: emulated", because mixprec emulates MX GEMMs.
 """
@@ -20,10 +20,10 @@ from torch import nn
 
 from mixprec.formats import get_format
 from mixprec.gemm import native_available, native_kind, will_emulate
+from mixprec.kernels.bf16_cpu import should_install
 from mixprec.kernels.hardware import Capabilities, detect
 from mixprec.kernels.native import blockwise_plan, describe_report, native_kernel_report
 from mixprec.scaling import Granularity, QuantizedTensor
-from mixprec.training.bf16_cpu import should_install
 
 NAME = "doctor"
 HELP = "report native BF16/FP8 support on this machine and the recipe and kernels mixprec would choose"
@@ -91,7 +91,7 @@ def bf16_gemm(caps: Capabilities, device: torch.device | str) -> dict:
         if should_install(nn.Linear(1, 1), "auto"):  # the question convert_for_training asks, on a CPU model
             return {
                 "path": "fp32-compute",
-                "note": "computed in fp32, rounded to bf16 (mixprec.training.bf16_cpu): no AVX-512-BF16 or "
+                "note": "computed in fp32, rounded to bf16 (mixprec.kernels.bf16_cpu): no AVX-512-BF16 or "
                 "AMX here, where a native bf16 matmul is 4-25x slower than fp32",
             }
         return {"path": "native", "note": "native bf16 GEMMs (oneDNN, fp32 accumulation): AVX-512-BF16/AMX"}

@@ -58,26 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calib-samples", type=int, default=32, help="fp8-static: calibration samples from --data"
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    b = parser.add_argument_group("confidence intervals (paired bootstrap over samples)")
-    b.add_argument(
-        "--level", type=float, default=DEFAULT_LEVEL, help=f"two-sided level (default {DEFAULT_LEVEL})"
-    )
-    b.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES,
-                   help=f"bootstrap resamples (default {DEFAULT_RESAMPLES})")  # fmt: skip
-    b.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0): same seed, same interval")
-    g = parser.add_argument_group("gates (exit 1 when one is worse: its whole interval beyond the threshold)")
-    g.add_argument(
-        "--max-ppl-increase", metavar="X", help="relative perplexity increase allowed: 0.001 or 0.1%%"
-    )
-    g.add_argument(
-        "--min-bleu", type=float, metavar="B", help="minimum BLEU (0-100) of the candidate's generations"
-    )
-    g.add_argument("--min-cosine", type=float, metavar="C", help="minimum mean cosine of the embeddings")
-    g.add_argument("--min-memory-saving", metavar="S",
-                   help="weight memory saved: bytes (1.8GB, 500MiB) or a fraction of the reference (0.4, 40%%)")  # fmt: skip
-    g.add_argument(
-        "--min-speedup", type=float, metavar="X", help="candidate tokens/s over reference tokens/s"
-    )
+    add_interval_arguments(parser)
+    add_gate_arguments(parser)
     parser.add_argument(
         "--json", metavar="PATH", help="write every figure as JSON (schema: docs/schemas/evaluate.md)"
     )
@@ -85,10 +67,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="overwrite an existing --json file / --out report"
     )
-    g.add_argument("--strict", action="store_true",
-                   help="an inconclusive gate (interval straddling its threshold) fails too")  # fmt: skip
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars (transformers' included)"
+    )
+
+
+def add_interval_arguments(parser: argparse.ArgumentParser) -> None:
+    """The confidence intervals of every quality figure: level, resamples, seed."""
+    group = parser.add_argument_group("confidence intervals (paired bootstrap over samples)")
+    group.add_argument(
+        "--level", type=float, default=DEFAULT_LEVEL, help=f"two-sided level (default {DEFAULT_LEVEL})"
+    )
+    group.add_argument(
+        "--resamples",
+        type=int,
+        default=DEFAULT_RESAMPLES,
+        help=f"bootstrap resamples (default {DEFAULT_RESAMPLES})",
+    )
+    group.add_argument(
+        "--seed", type=int, default=0, help="bootstrap seed (default 0): same seed, same interval"
+    )
+
+
+def add_gate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The thresholds that decide the exit code, and whether an inconclusive verdict fails."""
+    group = parser.add_argument_group(
+        "gates (exit 1 when one is worse: its whole interval beyond the threshold)"
+    )
+    group.add_argument(
+        "--max-ppl-increase", metavar="X", help="relative perplexity increase allowed: 0.001 or 0.1%%"
+    )
+    group.add_argument(
+        "--min-bleu", type=float, metavar="B", help="minimum BLEU (0-100) of the candidate's generations"
+    )
+    group.add_argument("--min-cosine", type=float, metavar="C", help="minimum mean cosine of the embeddings")
+    group.add_argument(
+        "--min-memory-saving",
+        metavar="S",
+        help="weight memory saved: bytes (1.8GB, 500MiB) or a fraction of the reference (0.4, 40%%)",
+    )
+    group.add_argument(
+        "--min-speedup", type=float, metavar="X", help="candidate tokens/s over reference tokens/s"
+    )
+    group.add_argument(
+        "--strict",
+        action="store_true",
+        help="an inconclusive gate (interval straddling its threshold) fails too",
     )
 
 

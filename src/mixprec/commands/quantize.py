@@ -1,4 +1,4 @@
-"""`mixprec quantize`: FP8 offline quantization of a local Hugging Face checkpoint (thin CLI)."""
+"""`mixprec quantize`: offline quantization of a local Hugging Face checkpoint to FP8, NVFP4 or MX (thin CLI)."""
 
 from __future__ import annotations
 
@@ -17,18 +17,20 @@ from mixprec.inference.calibration import (
 )
 from mixprec.inference.layouts import LAYOUTS
 from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE, quantize_checkpoint
-from mixprec.inference.schemes import SCHEMES
+from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.sensitivity.auto_report import write_auto_report
 from mixprec.sensitivity.automatic import auto_quantize_checkpoint
 from mixprec.sensitivity.scores import METHODS
 
 NAME = "quantize"
 AUTO_CALIB_SAMPLES = 16  # sequences the scores are computed on (one forward + backward per 4)
-HELP = "quantize a local Hugging Face safetensors checkpoint to FP8 (compressed-tensors or HF fp8 layout)"
+HELP = (
+    "quantize a local Hugging Face safetensors checkpoint to FP8, NVFP4 or MXFP4/MXFP8 "
+    "(compressed-tensors layout, or HF fp8 for the FP8 schemes)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-
     parser.add_argument("--model", required=True, help="input model directory (config.json + safetensors)")
     parser.add_argument(
         "--output", required=True, help="output directory (refused if it exists, unless --force)"
@@ -38,104 +40,129 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp8-dynamic",
         help=f"one of {', '.join(SCHEMES)} (default fp8-dynamic), or auto: one scheme per layer under --budget",
     )
-    auto = parser.add_argument_group("--scheme auto (docs/auto.md)")
-    auto.add_argument(
-        "--budget", metavar="BITS|SIZE",
-        help="average bits per weight of the quantizable Linears, scales counted (e.g. 6.0), or the whole "
-        "checkpoint's size (e.g. 1.2GB)",
-    )  # fmt: skip
-    auto.add_argument(
-        "--target-ppl-increase", metavar="REL",
-        help="instead of --budget: the smallest checkpoint whose perplexity on --eval-data rises by at most "
-        "REL (e.g. 1%%), found by bisection over budgets, each checkpoint measured",
-    )  # fmt: skip
-    auto.add_argument(
-        "--score", default="gradient", choices=METHODS,
-        help="gradient: sum((grad_out * (Y_q - Y))^2) from one forward+backward per batch (default); "
-        "kl: the logits' KL with one layer group in the candidate at a time (slower)",
-    )  # fmt: skip
-    auto.add_argument(
-        "--candidates", nargs="+", metavar="SCHEME",
-        help=f"schemes to choose from besides keeping the layer (default: all of {', '.join(SCHEMES)})",
-    )  # fmt: skip
-    auto.add_argument(
-        "--scores", metavar="FILE",
-        help="auto_scores.json of an earlier run to reuse (refused unless model, data, candidates match)",
-    )  # fmt: skip
-    auto.add_argument(
-        "--eval-data", metavar="TEXT",
-        help="text to measure perplexity on (mixprec evaluate's lm task): the chosen checkpoint, and every "
-        "step of --target-ppl-increase",
-    )  # fmt: skip
-    auto.add_argument("--eval-samples", type=int, default=32, help="blocks of --eval-data (default 32)")
-    auto.add_argument("--eval-seq-len", type=int, default=128, help="tokens per block (default 128)")
-    auto.add_argument(
-        "--search-steps", type=int, default=5, help="evaluations of --target-ppl-increase (default 5)"
-    )
-    parser.add_argument(
+    add_format_arguments(parser)
+    add_calibration_arguments(parser)
+    add_selection_arguments(parser)
+    add_auto_arguments(parser)
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_format_arguments(parser: argparse.ArgumentParser) -> None:
+    """The element format and how the checkpoint is laid out on disk."""
+    group = parser.add_argument_group("checkpoint format")
+    group.add_argument(
         "--dtype",
         default="fp8_e4m3",
-        help="element format; only fp8_e4m3 (the guide's spelling) is accepted",
+        help="element format of the FP8 schemes; only fp8_e4m3 (the guide's spelling) is accepted (NVFP4 and "
+        "MX schemes take theirs from --scheme)",
     )
-    parser.add_argument(
+    group.add_argument("--format", default="compressed-tensors", choices=LAYOUTS, help="checkpoint layout")
+    group.add_argument("--kv-cache", choices=("fp8",), help="calibrate and write per-layer k_scale / v_scale")
+    group.add_argument(
+        "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="output shard bound (e.g. 2GB)"
+    )
+
+
+def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the static schemes calibrate their activation scales on, and when calibration stops."""
+    static = [name for name in SCHEMES if InferenceScheme.from_name(name).needs_calibration]
+    group = parser.add_argument_group(
+        f"calibration (schemes {', '.join(static)}, --kv-cache; --scheme auto scores on --calib-data)"
+    )
+    group.add_argument(
         "--calib-data",
         "--calib-dataset",
         dest="calib_data",
         help="calibration text: .txt, folder of .txt, .jsonl with 'text', or a well-known name with a local copy",
     )
-    parser.add_argument(
+    group.add_argument(
         "--calib-samples", type=int, default=None,
         help="most calibration sequences to run (default 512; calibration stops earlier once the scales "
         f"settle); --scheme auto scores on this many (default {AUTO_CALIB_SAMPLES})",
     )  # fmt: skip
-    parser.add_argument(
+    group.add_argument(
         "--calib-tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="SHARE",
         help=f"stop once, over the last --calib-window batches, no Linear input carried more than SHARE of its "
         f"energy above the amax held before each batch (what stopping earlier would have clipped; default "
         f"{DEFAULT_TOLERANCE:g}; 0: run every --calib-samples)",
     )  # fmt: skip
-    parser.add_argument(
+    group.add_argument(
         "--calib-window", type=int, default=DEFAULT_WINDOW, metavar="BATCHES",
         help=f"batches (of 4 sequences) the clipped share is measured over (default {DEFAULT_WINDOW})",
     )  # fmt: skip
-    parser.add_argument(
+    group.add_argument(
         "--calib-min-tokens", type=int, default=DEFAULT_MIN_TOKENS, metavar="N",
         help=f"never stop before N calibration tokens: rare outliers arrive late (default {DEFAULT_MIN_TOKENS})",
     )  # fmt: skip
-    parser.add_argument(
+    group.add_argument(
         "--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)"
     )
-    parser.add_argument(
+    group.add_argument(
         "--observer", default="max", choices=OBSERVERS, help="activation amax observer (default max)"
     )
-    parser.add_argument(
+    group.add_argument(
+        "--layer-by-layer", action=argparse.BooleanOptionalAction, default=None,
+        help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM)",
+    )  # fmt: skip
+
+
+def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which Linears stay in high precision, and what happens to those the serving engines refuse."""
+    group = parser.add_argument_group("which layers are quantized")
+    group.add_argument(
         "--ignore", nargs="+", default=[], metavar="PATTERN",
         help="module names kept in high precision, added to the defaults (lm_head, embeddings, norms, "
         "MoE routers), each with everything below it: dotted name parts the name ends with, globs, or "
         "'re:<regex>' matched from the start of the name (as vLLM reads it)",
     )  # fmt: skip
-    parser.add_argument(
+    group.add_argument(
         "--no-default-ignore", action="store_true", help="do not add the default ignore patterns"
     )
-    parser.add_argument("--format", default="compressed-tensors", choices=LAYOUTS, help="checkpoint layout")
-    parser.add_argument(
-        "--kv-cache", choices=("fp8",), help="calibrate and write per-layer k_scale / v_scale"
-    )
-    parser.add_argument(
-        "--layer-by-layer", action=argparse.BooleanOptionalAction, default=None,
-        help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="output shard bound (e.g. 2GB)"
-    )
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
-    parser.add_argument(
+    group.add_argument(
         "--strict", action="store_true",
         help="fail (exit 2, nothing written) instead of keeping in high precision a layer that the serving "
         "engines' shape rules refuse (dims not multiples of 16; vLLM's fused fp8-block shards)",
     )  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
+    """--scheme auto: the budget (or perplexity target), the scores and the measured evaluation."""
+    group = parser.add_argument_group("--scheme auto (docs/auto.md)")
+    group.add_argument(
+        "--budget", metavar="BITS|SIZE",
+        help="average bits per weight of the quantizable Linears, scales counted (e.g. 6.0), or the whole "
+        "checkpoint's size (e.g. 1.2GB)",
+    )  # fmt: skip
+    group.add_argument(
+        "--target-ppl-increase", metavar="REL",
+        help="instead of --budget: the smallest checkpoint whose perplexity on --eval-data rises by at most "
+        "REL (e.g. 1%%), found by bisection over budgets, each checkpoint measured",
+    )  # fmt: skip
+    group.add_argument(
+        "--score", default="gradient", choices=METHODS,
+        help="gradient: sum((grad_out * (Y_q - Y))^2) from one forward+backward per batch (default); "
+        "kl: the logits' KL with one layer group in the candidate at a time (slower)",
+    )  # fmt: skip
+    group.add_argument(
+        "--candidates", nargs="+", metavar="SCHEME",
+        help=f"schemes to choose from besides keeping the layer (default: all of {', '.join(SCHEMES)})",
+    )  # fmt: skip
+    group.add_argument(
+        "--scores", metavar="FILE",
+        help="auto_scores.json of an earlier run to reuse (refused unless model, data, candidates match)",
+    )  # fmt: skip
+    group.add_argument(
+        "--eval-data", metavar="TEXT",
+        help="text to measure perplexity on (mixprec evaluate's lm task): the chosen checkpoint, and every "
+        "step of --target-ppl-increase",
+    )  # fmt: skip
+    group.add_argument("--eval-samples", type=int, default=32, help="blocks of --eval-data (default 32)")
+    group.add_argument("--eval-seq-len", type=int, default=128, help="tokens per block (default 128)")
+    group.add_argument(
+        "--search-steps", type=int, default=5, help="evaluations of --target-ppl-increase (default 5)"
+    )
 
 
 def _perplexity(model: str, data: str, samples: int, seq_len: int):

@@ -3,7 +3,7 @@
     result = train_run(spec, base_model, data, checkpoint_path=..., on_step=...)
 
 The run converts a copy of the base model (same initial weights for every recipe), trains it with
-mixprec.optim.AdamW (fp32 master weights, bf16 moments for bf16 parameters), takes batch `s` from the
+mixprec.AdamW (fp32 master weights, bf16 moments for bf16 parameters), takes batch `s` from the
 deterministic data order (a function of the order seed and the step only), evaluates the held-out loss
 every `eval_every` steps, runs the PrecisionMonitor, skips steps with NaN/inf, advances the FP8 scaling
 state once per optimizer step and checkpoints so that a resumed run continues bit-identically. Each step

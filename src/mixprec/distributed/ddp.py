@@ -1,6 +1,6 @@
-"""DistributedDataParallel with mixprec.optim.AdamW: gradients reduced in fp32, accumulated in fp32.
+"""DistributedDataParallel with mixprec.AdamW: gradients reduced in fp32, accumulated in fp32.
 
-The problem this solves. mixprec.optim.AdamW moves each bf16 parameter's gradient into an fp32 buffer in
+The problem this solves. mixprec.AdamW moves each bf16 parameter's gradient into an fp32 buffer in
 a post-accumulate-grad hook and sets p.grad to None (fp32 gradient accumulation). Autograd runs that hook
 before DDP's own hook on the same gradient, so DDP finds no gradient, all-reduces zeros, and every rank
 steps with its LOCAL gradient: the replicas drift apart (measured: 3e-2 max weight difference after

@@ -10,7 +10,7 @@ What FSDP2 means for FP8:
   weight and its weight amax (current scaling) is the amax of the whole weight, identical on every rank:
   every rank casts the gathered weight with one scale. With FP8 all-gather (fp8_all_gather.py) the cast
   happens on the shard BEFORE the all-gather, so there the amax is reduced over the shards first.
-- mixprec.optim.AdamW on DTensor shards: its state (fp32 master, bf16 moments, fp32 gradient buffers)
+- mixprec.AdamW on DTensor shards: its state (fp32 master, bf16 moments, fp32 gradient buffers)
   follows the parameters and is sharded the same way; FSDP2 runs post-accumulate-grad hooks on the
   sharded parameter after the reduce-scatter, so the fp32 gradient buffers hold reduced gradients.
   One thing needs help: the stochastic rounding noise of the moments is a hash of each element's index
@@ -79,7 +79,7 @@ def shard_model(
     master_weights: where the fp32 master copy of the bf16 parameters lives. "auto" (default): "fsdp"
       when every floating parameter is bf16 (what convert_for_training makes of bf16 and FP8 recipes),
       else "optimizer".
-      "optimizer": parameters stay bf16 shards; mixprec.optim.AdamW keeps fp32 master shards
+      "optimizer": parameters stay bf16 shards; mixprec.AdamW keeps fp32 master shards
         (call adapt_optimizer on it). Gradients are reduce-scattered in fp32 and handed back in bf16.
       "fsdp": the sharded parameters become fp32 (they are the masters) and FSDP2's mixed precision
         all-gathers them in bf16 for compute (MixedPrecisionPolicy(param_dtype=bf16,
@@ -136,7 +136,7 @@ def shard_model(
     return model
 
 
-# ---- mixprec.optim.AdamW on DTensor shards ------------------------------------------------------------
+# ---- mixprec.AdamW on DTensor shards ------------------------------------------------------------
 
 
 def _shard_slices(t) -> tuple[slice, ...]:
@@ -147,7 +147,7 @@ def _shard_slices(t) -> tuple[slice, ...]:
 
 
 def stochastic_round_dtensor(x, dtype: torch.dtype, key: int | None, lane: int):
-    """mixprec.optim's rounding of a DTensor shard: with its slice of the noise the whole tensor would
+    """mixprec.training.optim's rounding of a DTensor shard: with its slice of the noise the whole tensor would
     get (the noise is a hash of each element's global index), so sharded == unsharded rounding."""
     from torch.distributed.tensor import DTensor
 
@@ -163,7 +163,7 @@ def stochastic_round_dtensor(x, dtype: torch.dtype, key: int | None, lane: int):
 
 
 def adapt_optimizer(optimizer: Any) -> Any:
-    """Let mixprec.optim.AdamW step DTensor (FSDP2) parameters; other optimizers are returned unchanged.
+    """Let mixprec.AdamW step DTensor (FSDP2) parameters; other optimizers are returned unchanged.
 
     Patches this optimizer instance's moment rounding (see the module docstring). Returns `optimizer`.
     """

@@ -24,7 +24,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gradients(source) -> list[torch.Tensor]:
-    """The gradients a step would use: an optimizer with .grads() (mixprec.optim.AdamW keeps bf16
+    """The gradients a step would use: an optimizer with .grads() (mixprec.AdamW keeps bf16
     parameters' gradients in fp32 buffers and p.grad is None), a module's or tensors' .grad."""
     grads_fn = getattr(source, "grads", None)
     if callable(grads_fn):
@@ -41,7 +41,7 @@ def local_nonfinite(
 ) -> bool:
     """True when this rank's loss or any of its (local) gradients holds a NaN or an inf.
 
-    gradients_of: the optimizer (preferred: it knows where mixprec.optim.AdamW keeps gradients), the
+    gradients_of: the optimizer (preferred: it knows where mixprec.AdamW keeps gradients), the
     model, or an iterable of parameters.
     """
     checks: list[torch.Tensor] = []

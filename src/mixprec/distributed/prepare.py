@@ -4,7 +4,7 @@ single argument: mixprec.training.TrainingStep's `parallel=` (the protocol train
 
     dp = DataParallel("ddp")                      # or "fsdp2"; "none": one process (or no wrapping)
     model = dp.wrap(converted_model)              # convert first, then wrap
-    optimizer = dp.attach(model, mixprec.optim.AdamW(model.parameters(), lr=...))
+    optimizer = dp.attach(model, mixprec.AdamW(model.parameters(), lr=...))
     step = TrainingStep(unwrap(model), optimizer, max_grad_norm=1.0, parallel=dp)
     for global_batch in batches:
         loss = loss_fn(model, step.shard(global_batch))   # this rank's rows (contiguous slice)
@@ -40,7 +40,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def optimizer_already_built(model: nn.Module) -> Any:
-    """The mixprec.optim.AdamW whose fp32-accumulation hooks sit on `model`'s parameters, if any.
+    """The mixprec.AdamW whose fp32-accumulation hooks sit on `model`'s parameters, if any.
 
     AdamW registers a post-accumulate-grad hook (its bound method) on every bf16 parameter; finding one
     tells that the optimizer was built before wrapping. Reads torch's `_post_accumulate_grad_hooks`.

@@ -19,8 +19,8 @@ from mixprec.inference.layouts import parse_quantization_config
 from mixprec.inference.load import load_quantized
 from mixprec.inference.online import quantize_model_
 from mixprec.inference.scales_file import find_scales_file
+from mixprec.kernels import bf16_cpu
 from mixprec.kernels.hardware import detect
-from mixprec.training import bf16_cpu
 
 CANDIDATE_SCHEMES = ("fp8-dynamic", "fp8-static", "fp8-block", "bf16")
 
@@ -120,7 +120,7 @@ def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Ten
 
 def install_low_precision_hooks(side: Side) -> None:
     """bf16/fp16 models on a CPU without fast bf16: compute GEMMs in fp32 and round the results
-    (mixprec.training.bf16_cpu), which is also what a GPU bf16 GEMM gives. Call after moving the model."""
+    (mixprec.kernels.bf16_cpu), which is also what a GPU bf16 GEMM gives. Call after moving the model."""
     if side.hooks is not None or not any(
         p.dtype in (torch.bfloat16, torch.float16) for p in side.model.parameters()
     ):
@@ -128,7 +128,7 @@ def install_low_precision_hooks(side: Side) -> None:
     side.info["bf16_compute"] = "native bf16 kernels"
     if bf16_cpu.should_install(side.model) and not detect().cpu_bf16_native:
         side.hooks = bf16_cpu.install(side.model)
-        side.info["bf16_compute"] = "fp32 GEMMs rounded to bf16 (mixprec.training.bf16_cpu)"
+        side.info["bf16_compute"] = "fp32 GEMMs rounded to bf16 (mixprec.kernels.bf16_cpu)"
 
 
 def _summarize_report(report: Any) -> Any:

@@ -21,7 +21,7 @@ Nor on CPUs with AVX-512-BF16 / AMX (detected by mixprec.kernels.hardware): ther
 fast path (see should_install); ``convert_for_training(..., cpu_bf16_gemm="fp32")`` forces this path.
 
 It lives in the kernels layer so that both wings use the one decision: training
-(``convert_for_training``, re-exported by mixprec.training.bf16_cpu) and inference calibration
+(``convert_for_training``; ``mixprec.training.fp32_compute`` is this module's) and inference calibration
 (``gemms_in_fp32``, around the calibration forward of fp8-static / FP4 input scales and KV scales).
 """
 

@@ -18,7 +18,9 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -185,6 +187,52 @@ def _unique(base: str, taken: set[str]) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class OnnxQuantizeJob:
+    """One quantize_onnx call with its arguments checked: what the steps of the rewrite read."""
+
+    src: Path
+    dst: Path
+    granularity: str  # "channel" or "tensor"
+    exclude: tuple[str, ...]  # checked mixprec.select patterns
+    calib_inputs: list[dict[str, np.ndarray]] | None
+    check_inputs: list[dict[str, np.ndarray]] | None
+    force: bool
+    check: bool
+    max_error: float | None
+
+    def weight_axis(self, channel_axis: int) -> int | None:
+        """The DequantizeLinear axis of a weight: its output channels, or None for one scale per tensor."""
+        return channel_axis if self.granularity == "channel" else None
+
+
+class Target(NamedTuple):
+    """A MatMul / Gemm whose weight becomes FP8."""
+
+    node: Any
+    weight: str  # the initializer's name
+    axis: int  # the weight's output-channel axis
+    label: str  # the torch module it came from (module_path)
+
+
+@dataclass
+class GraphEdit:
+    """The graph being rewritten, its initializers by name and every name already taken in it."""
+
+    graph: Any
+    initializers: dict[str, Any]
+    taken: set[str]
+
+    @classmethod
+    def of(cls, graph) -> GraphEdit:
+        taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+        taken |= {i.name for i in graph.input} | {n.name for n in graph.node}
+        return cls(graph, {t.name: t for t in graph.initializer}, taken)
+
+    def unique(self, base: str) -> str:
+        return _unique(base, self.taken)
+
+
 def quantize_onnx(
     input_path: str | os.PathLike,
     output_path: str | os.PathLike,
@@ -206,16 +254,53 @@ def quantize_onnx(
     published, and over the limit MaxErrorExceeded is raised (its `report` holds the check) and nothing
     is written.
     """
-    onnx = need_onnx()
-    from onnx import helper, numpy_helper
+    job = _job(
+        input_path, output_path, granularity, calib_inputs, exclude, check_inputs, force, check, max_error
+    )
+    model, opset = _load_at_fp8_opset(job)
+    report = QuantizeOnnxReport(
+        str(job.src), str(job.dst), granularity, "static" if calib_inputs else "none (weight-only)",
+        max(opset, MIN_OPSET), weight_bytes_before=initializer_bytes(model), max_error=max_error,
+    )  # fmt: skip
+    edit = GraphEdit.of(model.graph)
+    targets = _select_targets(edit, job, report)
+    weight_nodes = _quantize_weights(edit, targets, job, report)
+    activation_nodes = _quantize_activations(edit, targets, job, report) if calib_inputs else {}
+    _place_nodes(model.graph, weight_nodes, activation_nodes)
+    _drop_unread_initializers(model.graph)
+    _set_opset(model, report.opset)
+    _check_graph(model)
+    report.weight_bytes_after = initializer_bytes(model)
+    save_model_atomic(model, job.dst, vet=partial(_vet, job, model, report))
+    report.written = True
+    return report
 
+
+def _job(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    granularity: str,
+    calib_inputs: list[dict[str, np.ndarray]] | None,
+    exclude: Sequence[str],
+    check_inputs: list[dict[str, np.ndarray]] | None,
+    force: bool,
+    check: bool,
+    max_error: float | None,
+) -> OnnxQuantizeJob:
+    """The arguments checked before the graph is read."""
+    need_onnx()
     check_max_error(max_error, check)
     if granularity not in ("channel", "tensor"):
         raise MixprecError(f"granularity must be 'channel' or 'tensor', got {granularity!r}")
-    exclude = [check_pattern(p, "--exclude pattern") for p in exclude]
-    src, dst = Path(input_path), Path(output_path)
-    model = load_model(src)
-    check_output(dst, force, (src,))
+    patterns = tuple(check_pattern(p, "--exclude pattern") for p in exclude)
+    return OnnxQuantizeJob(Path(input_path), Path(output_path), granularity, patterns, calib_inputs,
+                           check_inputs, force, check, max_error)  # fmt: skip
+
+
+def _load_at_fp8_opset(job: OnnxQuantizeJob):
+    """(the graph, its original opset), converted to the opset FP8 Q/DQ needs when it is older."""
+    model = load_model(job.src)
+    check_output(job.dst, job.force, (job.src,))
     opset = default_opset(model)
     if opset < MIN_OPSET:
         try:
@@ -224,111 +309,139 @@ def quantize_onnx(
             model = version_converter.convert_version(model, MIN_OPSET)
         except Exception as exc:
             raise MixprecError(
-                f"{src} is at opset {opset}; FP8 Q/DQ needs {MIN_OPSET} and the conversion failed: {exc}"
+                f"{job.src} is at opset {opset}; FP8 Q/DQ needs {MIN_OPSET} and the conversion failed: {exc}"
             ) from None
-    report = QuantizeOnnxReport(
-        str(src), str(dst), granularity, "static" if calib_inputs else "none (weight-only)", max(opset, MIN_OPSET),
-        weight_bytes_before=initializer_bytes(model), max_error=max_error,
-    )  # fmt: skip
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
-    taken |= {i.name for i in graph.input} | {n.name for n in graph.node}
+    return model, opset
 
-    # 1. Which nodes get an FP8 weight.
-    targets = []  # (node, weight name, axis)
-    for node in graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in inits:
+
+def _select_targets(edit: GraphEdit, job: OnnxQuantizeJob, report: QuantizeOnnxReport) -> list[Target]:
+    """1. Which nodes get an FP8 weight; the others that read a weight initializer are reported skipped."""
+    onnx = need_onnx()
+    targets = []
+    for node in edit.graph.node:
+        if (
+            node.op_type not in ("MatMul", "Gemm")
+            or len(node.input) < 2
+            or node.input[1] not in edit.initializers
+        ):
             continue
-        w = inits[node.input[1]]
+        w = edit.initializers[node.input[1]]
         label = module_path(node)
         why = None
         if w.data_type != onnx.TensorProto.FLOAT:
             why = f"weight dtype {onnx.TensorProto.DataType.Name(w.data_type)} (only FLOAT weights are quantized)"
         elif len(w.dims) != 2:
             why = f"weight is {len(w.dims)}-D"
-        elif (pattern := _excluded([label, node.name, w.name], exclude)) is not None:
+        elif (pattern := _excluded([label, node.name, w.name], job.exclude)) is not None:
             why = f"excluded by pattern {pattern!r}"
         if why:
             report.skipped.append({"node": node.name, "module": label, "weight": w.name, "reason": why})
             continue
-        targets.append((node, w.name, _weight_axis(node), label))
+        targets.append(Target(node, w.name, _weight_axis(node), label))
     if not targets:
-        raise MixprecError(f"{src} has no MatMul/Gemm with a 2-D fp32 weight initializer to quantize")
+        raise MixprecError(f"{job.src} has no MatMul/Gemm with a 2-D fp32 weight initializer to quantize")
+    return targets
 
-    # 2. Weights -> FP8 initializers + DequantizeLinear.
-    front_nodes, dq_of = [], {}
-    for node, wname, axis, label in targets:
-        if wname in dq_of:
-            continue
-        w = numpy_helper.to_array(inits[wname]).astype(np.float32)
-        if not np.isfinite(w).all():
-            raise MixprecError(f"weight {wname} ({label}) holds NaN or inf")
-        use_axis = axis if granularity == "channel" else None
-        codes, scale = quantize_weight_array(w, use_axis)
-        qname, sname, zname = (_unique(f"{wname}_{s}", taken) for s in ("fp8", "scale", "zero_point"))
-        out = _unique(f"{wname}_dequantized", taken)
-        graph.initializer.extend(
-            [_fp8_tensor(qname, codes), numpy_helper.from_array(scale, sname), _fp8_zero(zname, scale.shape)]
-        )
-        attrs = {"axis": use_axis} if use_axis is not None else {}
-        front_nodes.append(helper.make_node("DequantizeLinear", [qname, sname, zname], [out],
-                                            name=_unique(f"{wname}_DequantizeLinear", taken), **attrs))  # fmt: skip
-        dq_of[wname] = out
-        deq = _dequantize(codes, scale, use_axis)
-        report.weights.append({
-            "weight": wname, "module": label, "node": node.name, "shape": list(w.shape),
-            "axis": use_axis, "scale_min": float(scale.min()), "scale_max": float(scale.max()),
-            "relative_error": float(np.linalg.norm(deq - w) / max(np.linalg.norm(w), 1e-30)),
-        })  # fmt: skip
-    for node, wname, _, _ in targets:
-        node.input[1] = dq_of[wname]
 
-    # 3. Activations -> static scales + QuantizeLinear/DequantizeLinear (calibration data only).
-    act_nodes: dict[str, list] = {}
-    if calib_inputs:
-        names = list(dict.fromkeys(n.input[0] for n, *_ in targets))
-        amax = _activation_amax(load_model(src), names, calib_inputs)
-        act_dq = {}
-        producer = {o: n for n in graph.node for o in n.output}
-        readers: dict[str, list] = {}
-        for n in graph.node:
-            for i in n.input:
-                readers.setdefault(i, []).append(n)
-        target_ids = {id(n) for n, *_ in targets}
-        for a in names:
-            scale = compute_scale(torch.tensor(amax[a]), E4M3).reshape(()).numpy().astype(np.float32)
-            sname, zname = _unique(f"{a}_scale", taken), _unique(f"{a}_zero_point", taken)
-            qout, dqout = _unique(f"{a}_fp8", taken), _unique(f"{a}_dequantized", taken)
-            graph.initializer.extend([numpy_helper.from_array(scale, sname), _fp8_zero(zname, ())])
-            relu = producer.get(a)
-            moved = (relu is not None and relu.op_type == "Relu"
-                     and all(id(n) in target_ids for n in readers.get(a, [])))  # fmt: skip
-            # onnxruntime's ReluQuantRewrite (level-2 optimizer) deletes a Relu followed by a
-            # QuantizeLinear whose zero point is the type's minimum - right for uint8, wrong for float8,
-            # where it lets negative values through. Symmetric FP8 Q/DQ commutes with Relu
-            # (Q(relu(h)) = relu(Q(h)), Q(0) = 0), so the pair goes before the Relu: same values, and
-            # nothing for that rewrite to match.
-            src_tensor = relu.input[0] if moved else a
-            act_nodes[src_tensor] = [
-                helper.make_node("QuantizeLinear", [src_tensor, sname, zname], [qout],
-                                 name=_unique(f"{a}_QuantizeLinear", taken), saturate=1),
-                helper.make_node("DequantizeLinear", [qout, sname, zname], [dqout],
-                                 name=_unique(f"{a}_DequantizeLinear", taken)),
-            ]  # fmt: skip
-            if moved:
-                relu.input[0] = dqout
-                act_dq[a] = a
-            else:
-                act_dq[a] = dqout
-            report.activation_scales.append(
-                {"tensor": a, "amax": amax[a], "scale": float(scale), "placed_before_relu": moved}
+def _quantize_weights(
+    edit: GraphEdit, targets: list[Target], job: OnnxQuantizeJob, report: QuantizeOnnxReport
+) -> list:
+    """2. Each target weight (once, however many nodes read it) -> an FP8 initializer and the
+    DequantizeLinear its nodes now read; returns those DequantizeLinear nodes."""
+    weight_nodes, dequantized = [], {}
+    for target in targets:
+        if target.weight not in dequantized:
+            node, dequantized[target.weight] = _weight_dequantize(
+                edit, target, job.weight_axis(target.axis), report
             )
-        for node, *_ in targets:
-            node.input[0] = act_dq[node.input[0]]
+            weight_nodes.append(node)
+    for target in targets:
+        target.node.input[1] = dequantized[target.weight]
+    return weight_nodes
 
-    # 4. Topological order: weight DQs first, each activation Q/DQ just before its first consumer.
-    ordered, pending = list(front_nodes), dict(act_nodes)
+
+def _weight_dequantize(edit: GraphEdit, target: Target, axis: int | None, report: QuantizeOnnxReport):
+    """(the DequantizeLinear node of one weight, the name of its output)."""
+    onnx = need_onnx()
+    wname = target.weight
+    w = onnx.numpy_helper.to_array(edit.initializers[wname]).astype(np.float32)
+    if not np.isfinite(w).all():
+        raise MixprecError(f"weight {wname} ({target.label}) holds NaN or inf")
+    codes, scale = quantize_weight_array(w, axis)
+    qname, sname, zname = (edit.unique(f"{wname}_{s}") for s in ("fp8", "scale", "zero_point"))
+    out = edit.unique(f"{wname}_dequantized")
+    edit.graph.initializer.extend(
+        [_fp8_tensor(qname, codes), onnx.numpy_helper.from_array(scale, sname), _fp8_zero(zname, scale.shape)]
+    )
+    attrs = {"axis": axis} if axis is not None else {}
+    node = onnx.helper.make_node("DequantizeLinear", [qname, sname, zname], [out],
+                                 name=edit.unique(f"{wname}_DequantizeLinear"), **attrs)  # fmt: skip
+    deq = _dequantize(codes, scale, axis)
+    report.weights.append({
+        "weight": wname, "module": target.label, "node": target.node.name, "shape": list(w.shape),
+        "axis": axis, "scale_min": float(scale.min()), "scale_max": float(scale.max()),
+        "relative_error": float(np.linalg.norm(deq - w) / max(np.linalg.norm(w), 1e-30)),
+    })  # fmt: skip
+    return node, out
+
+
+def _quantize_activations(
+    edit: GraphEdit, targets: list[Target], job: OnnxQuantizeJob, report: QuantizeOnnxReport
+) -> dict[str, list]:
+    """3. The activations feeding the targets -> static scales (amax over the calibration runs) and a
+    QuantizeLinear/DequantizeLinear pair; returns {tensor the pair reads: [Q, DQ]}."""
+    names = list(dict.fromkeys(t.node.input[0] for t in targets))
+    amax = _activation_amax(load_model(job.src), names, job.calib_inputs)
+    producer = {o: n for n in edit.graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in edit.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    target_ids = {id(t.node) for t in targets}
+    pairs, reads = {}, {}
+    for a in names:
+        relu = producer.get(a)
+        moved = (relu is not None and relu.op_type == "Relu"
+                 and all(id(n) in target_ids for n in readers.get(a, [])))  # fmt: skip
+        source, pairs_nodes, reads[a] = _activation_pair(edit, a, amax[a], relu if moved else None, report)
+        pairs[source] = pairs_nodes
+    for target in targets:
+        target.node.input[0] = reads[target.node.input[0]]
+    return pairs
+
+
+def _activation_pair(edit: GraphEdit, a: str, amax: float, relu, report: QuantizeOnnxReport):
+    """(the tensor the Q/DQ pair reads, [Q, DQ], what the targets that read `a` read now). With `relu`
+    (the Relu producing `a`, read only by targets) the pair goes before the Relu."""
+    helper, numpy_helper = need_onnx().helper, need_onnx().numpy_helper
+    scale = compute_scale(torch.tensor(amax), E4M3).reshape(()).numpy().astype(np.float32)
+    sname, zname = edit.unique(f"{a}_scale"), edit.unique(f"{a}_zero_point")
+    qout, dqout = edit.unique(f"{a}_fp8"), edit.unique(f"{a}_dequantized")
+    edit.graph.initializer.extend([numpy_helper.from_array(scale, sname), _fp8_zero(zname, ())])
+    moved = relu is not None
+    # onnxruntime's ReluQuantRewrite (level-2 optimizer) deletes a Relu followed by a
+    # QuantizeLinear whose zero point is the type's minimum - right for uint8, wrong for float8,
+    # where it lets negative values through. Symmetric FP8 Q/DQ commutes with Relu
+    # (Q(relu(h)) = relu(Q(h)), Q(0) = 0), so the pair goes before the Relu: same values, and
+    # nothing for that rewrite to match.
+    source = relu.input[0] if moved else a
+    nodes = [
+        helper.make_node("QuantizeLinear", [source, sname, zname], [qout],
+                         name=edit.unique(f"{a}_QuantizeLinear"), saturate=1),
+        helper.make_node("DequantizeLinear", [qout, sname, zname], [dqout],
+                         name=edit.unique(f"{a}_DequantizeLinear")),
+    ]  # fmt: skip
+    if moved:
+        relu.input[0] = dqout
+    report.activation_scales.append(
+        {"tensor": a, "amax": amax, "scale": float(scale), "placed_before_relu": moved}
+    )
+    return source, nodes, a if moved else dqout
+
+
+def _place_nodes(graph, weight_nodes: list, activation_nodes: dict[str, list]) -> None:
+    """4. Topological order: weight DQs first, each activation Q/DQ just before its first consumer."""
+    ordered, pending = list(weight_nodes), dict(activation_nodes)
     produced = {o for n in graph.node for o in n.output}
     for a in [a for a in pending if a not in produced]:  # graph inputs (or constants) come first
         ordered += pending.pop(a)
@@ -340,7 +453,9 @@ def quantize_onnx(
     del graph.node[:]
     graph.node.extend(ordered)
 
-    # 5. Drop fp32 weights nothing reads any more.
+
+def _drop_unread_initializers(graph) -> None:
+    """5. Drop the fp32 weights nothing reads any more."""
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     keep = [t for t in graph.initializer if t.name in used]
     dropped = {t.name for t in graph.initializer} - {t.name for t in keep}
@@ -350,41 +465,39 @@ def quantize_onnx(
     inputs = [i for i in graph.input if i.name not in dropped]
     del graph.input[:]
     graph.input.extend(inputs)
-    _set_opset(model, report.opset)
+
+
+def _check_graph(model) -> None:
     try:
-        onnx.checker.check_model(model)
+        need_onnx().checker.check_model(model)
     except Exception as exc:  # a bug here, not a user error: keep the message
         raise MixprecError(f"the FP8 graph failed onnx.checker: {exc}") from None
-    report.weight_bytes_after = initializer_bytes(model)
 
-    def vet(staged: Path) -> None:
-        """Runs on the staged copy: a graph over max_error is never published under `dst`."""
-        report.file_bytes_after = sum(
-            f.stat().st_size for f in staged.parent.glob(staged.name + "*") if f.is_file()
+
+def _vet(job: OnnxQuantizeJob, model, report: QuantizeOnnxReport, staged: Path) -> None:
+    """Runs on the staged copy: a graph over max_error is never published under `dst`."""
+    report.file_bytes_after = sum(
+        f.stat().st_size for f in staged.parent.glob(staged.name + "*") if f.is_file()
+    )
+    if not job.check:
+        return
+    feeds, where = job.calib_inputs, "calibration inputs"
+    if not feeds:
+        feeds, where = (
+            (job.check_inputs, "given inputs")
+            if job.check_inputs
+            else (synthetic_inputs(model), "synthetic inputs")
         )
-        if not check:
-            return
-        feeds, where = calib_inputs, "calibration inputs"
-        if not feeds:
-            feeds, where = (
-                (check_inputs, "given inputs")
-                if check_inputs
-                else (synthetic_inputs(model), "synthetic inputs")
-            )
-        report.check = check_fp8_onnx(src, staged, feeds)
-        report.check["inputs"] = where
-        worst = report.check["worst_relative_l2_error"]
-        if max_error is not None and not worst <= max_error:  # NaN fails too
-            name = max(report.check["outputs"], key=lambda n: report.check["outputs"][n]["relative_l2_error"])
-            raise MaxErrorExceeded(
-                f"relative L2 error {worst:.4g} (output {name}, {where}) > --max-error {max_error:g}: "
-                f"{dst} was not written",
-                report,
-            )
-
-    save_model_atomic(model, dst, vet=vet)
-    report.written = True
-    return report
+    report.check = check_fp8_onnx(job.src, staged, feeds)
+    report.check["inputs"] = where
+    worst = report.check["worst_relative_l2_error"]
+    if job.max_error is not None and not worst <= job.max_error:  # NaN fails too
+        name = max(report.check["outputs"], key=lambda n: report.check["outputs"][n]["relative_l2_error"])
+        raise MaxErrorExceeded(
+            f"relative L2 error {worst:.4g} (output {name}, {where}) > --max-error {job.max_error:g}: "
+            f"{job.dst} was not written",
+            report,
+        )
 
 
 def initializer_bytes(model) -> int:

@@ -242,97 +242,181 @@ def auto_quantize_checkpoint(
     quantize_checkpoint (max_shard_size, observer, ...).
     """
     started = time.perf_counter()
+    job = _auto_job(model_dir, output_dir, budget=budget, target_ppl_increase=target_ppl_increase,
+                    calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                    candidates=candidates, score=score, scores=scores, ignore=ignore, default_ignore=default_ignore,
+                    measure=measure, search_steps=search_steps, force=force, progress=progress,
+                    quantize_kw=quantize_kw)  # fmt: skip
+    texts = load_texts(calib_data)
+    batches = token_batches(texts, load_tokenizer(job.model_dir), calib_samples, calib_seq_len)
+    timings: dict[str, float] = {}
+    result_scores, reused = _scores(job, batches, timings)
+    fixed_bits = _fixed_bits(job, result_scores)
+    write = CheckpointWriter(job)
+    t0 = time.perf_counter()
+    plan, measured, search = _choose(job, result_scores, fixed_bits, write)
+    timings["solve_and_search"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report = write(plan, job.output_dir, job.force)
+    timings["write"] = time.perf_counter() - t0
+    if job.measure is not None and measured is None:
+        t0 = time.perf_counter()
+        measured = dict(job.measure(job.output_dir))
+        timings["measure"] = time.perf_counter() - t0
+    write_scores(job.output_dir / SCORES_NAME, result_scores)
+    timings["total"] = time.perf_counter() - started
+    result = AutoResult(
+        scores=result_scores, budget=job.budget, allocation=plan, dtype_bits=job.dtype_bits,
+        curve=budget_curve(result_scores, job.dtype_bits), uniform=_uniform_table(result_scores, job.dtype_bits),
+        scores_reused=reused, measured=measured, search=search, target_ppl_increase=job.target, report=report,
+        output=str(job.output_dir), seconds=timings,
+    )  # fmt: skip
+    _add_measured_points(result, search, measured)
+    return result
+
+
+@dataclass(frozen=True)
+class AutoJob:
+    """One `--scheme auto` run with its arguments checked: what the steps of auto_quantize_checkpoint read."""
+
+    model_dir: Path
+    output_dir: Path
+    config: dict  # the model's config.json
+    budget: Budget | None  # exactly one of budget and target
+    target: float | None  # the relative perplexity increase allowed
+    candidates: tuple[InferenceScheme, ...]
+    score: str  # the scoring method
+    scores: str | Path | None  # a scores file of an earlier run
+    ignore: Sequence[str] | None
+    default_ignore: bool
+    calib_data: str | Path
+    calib_samples: int
+    calib_seq_len: int
+    measure: Measure | None  # a written checkpoint -> its perplexity figures (see the module docstring)
+    search_steps: int  # evaluations of target_ppl_increase's bisection
+    force: bool  # replace output_dir
+    progress: bool
+    quantize_kw: Mapping[str, Any]  # passed on to quantize_checkpoint
+
+    @property
+    def dtype_bits(self) -> int:
+        """The bits of one weight kept in the checkpoint's dtype."""
+        return _dtype_bits(self.config)
+
+    @property
+    def fingerprint_names(self) -> list[str]:
+        """The choices scored: kept, then every candidate."""
+        return [KEPT, *(c.name for c in self.candidates)]
+
+
+def _auto_job(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    budget: str | float | Budget | None,
+    target_ppl_increase: str | float | None,
+    measure: Measure | None,
+    candidates: Sequence[str] | None,
+    force: bool,
+    **settings: Any,
+) -> AutoJob:
+    """The arguments checked (MixprecError on the first problem) and the model's config read; `settings`
+    are the other fields of AutoJob, as given."""
     if (budget is None) == (target_ppl_increase is None):
         raise MixprecError("--scheme auto needs exactly one of --budget and --target-ppl-increase")
     plan_budget = None if budget is None else (budget if isinstance(budget, Budget) else Budget.parse(budget))
     target = _parse_increase(target_ppl_increase)
     if target is not None and measure is None:
         raise MixprecError("--target-ppl-increase needs evaluation data to measure perplexity (--eval-data)")
-    cands = candidate_schemes(candidates)
+    cands = tuple(candidate_schemes(candidates))
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     config = read_config(model_dir)
     if output_dir.exists() and not force:
         raise MixprecError(f"output directory {output_dir} exists (use --force to replace it)")
-    texts = load_texts(calib_data)
-    names = [KEPT, *(c.name for c in cands)]
-    dtype_bits = _dtype_bits(config)
-
-    tok = load_tokenizer(model_dir)
-    batches = token_batches(texts, tok, calib_samples, calib_seq_len)
-    from_file = read_scores(scores) if scores is not None else None
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    fp = fingerprint(
-        model_fingerprint(model_dir), data_fingerprint(batches), names, score, list(ignore or ())
+    return AutoJob(
+        model_dir, output_dir, config, plan_budget, target, cands, measure=measure, force=force, **settings
     )
+
+
+def _scores(job: AutoJob, batches: list[torch.Tensor], timings: dict[str, float]) -> tuple[Scores, bool]:
+    """(the scores, whether they came from job.scores): the given file when its fingerprint is this
+    run's (else refused), otherwise scored anew."""
+    from_file = read_scores(job.scores) if job.scores is not None else None
+    t0 = time.perf_counter()
+    fp = fingerprint(model_fingerprint(job.model_dir), data_fingerprint(batches), job.fingerprint_names,
+                     job.score, list(job.ignore or ()))  # fmt: skip
     timings["fingerprint"] = time.perf_counter() - t0
     if from_file is not None:
         if from_file.fingerprint != fp:
             differ = [k for k in fp if from_file.fingerprint.get(k) != fp[k]]
             raise MixprecError(
-                f"scores file {scores} was computed from a different {', '.join(differ)}: "
+                f"scores file {job.scores} was computed from a different {', '.join(differ)}: "
                 "drop --scores to compute them anew"
             )
-        result_scores, reused = from_file, True
-    else:
-        t0 = time.perf_counter()
-        model = load_model(model_dir, dtype=torch.float32).eval()  # fp32: the CPU has no fast bf16
-        with ProgressBars(progress) as bars:
-            result_scores = score_model(
-                model, batches, cands, method=score, ignore=ignore, default_ignore=default_ignore,
-                weight_dtype=config_dtype(config),
-                progress=lambda label, total: bars.add(label, total).advance,
-            )  # fmt: skip
-        del model
-        result_scores.fingerprint = fp
-        reused = False
-        timings["scoring"] = time.perf_counter() - t0
+        return from_file, True
+    t0 = time.perf_counter()
+    model = load_model(job.model_dir, dtype=torch.float32).eval()  # fp32: the CPU has no fast bf16
+    with ProgressBars(job.progress) as bars:
+        scored = score_model(
+            model, batches, list(job.candidates), method=job.score, ignore=job.ignore,
+            default_ignore=job.default_ignore, weight_dtype=config_dtype(job.config),
+            progress=lambda label, total: bars.add(label, total).advance,
+        )  # fmt: skip
+    del model
+    scored.fingerprint = fp
+    timings["scoring"] = time.perf_counter() - t0
+    return scored, False
 
-    ckpt = open_checkpoint(model_dir)
-    fixed_bits = ckpt.total_bytes * 8 - sum(dtype_bits * o * i for o, i in result_scores.shapes.values())
-    write_kw = dict(calib_data=calib_data, calib_samples=max(calib_samples, 1), calib_seq_len=calib_seq_len,
-                    ignore=ignore, default_ignore=default_ignore, progress=progress, **quantize_kw)  # fmt: skip
 
-    def write(plan: Allocation, out: Path, replace: bool) -> ConversionReport:
+def _fixed_bits(job: AutoJob, scores: Scores) -> int:
+    """The checkpoint's bits that no choice changes (everything but the scored Linears' weights)."""
+    total_bytes = open_checkpoint(job.model_dir).total_bytes
+    return total_bytes * 8 - sum(job.dtype_bits * o * i for o, i in scores.shapes.values())
+
+
+class CheckpointWriter:
+    """Writes one allocation as a mixed-precision checkpoint (quantize_checkpoint with the job's
+    calibration and ignore settings; without calibration when no chosen scheme needs it)."""
+
+    def __init__(self, job: AutoJob):
+        self.job = job
+        self.settings = dict(calib_data=job.calib_data, calib_samples=max(job.calib_samples, 1),
+                             calib_seq_len=job.calib_seq_len, ignore=job.ignore, default_ignore=job.default_ignore,
+                             progress=job.progress, **job.quantize_kw)  # fmt: skip
+
+    def __call__(self, plan: Allocation, out: Path, replace: bool) -> ConversionReport:
         schemes = plan.schemes()
         if not schemes:
             raise MixprecError(f"the budget keeps every Linear in high precision ({plan.bits_per_weight:.2f} bits "
                                "per weight): there is nothing to quantize; lower it")  # fmt: skip
         needs_calib = any(InferenceScheme.from_name(s).needs_calibration for s in schemes.values())
-        kw = write_kw if needs_calib else {k: v for k, v in write_kw.items() if not k.startswith("calib")}
-        return quantize_checkpoint(model_dir, out, schemes, force=replace, **kw)
+        kw = (
+            self.settings
+            if needs_calib
+            else {k: v for k, v in self.settings.items() if not k.startswith("calib")}
+        )
+        return quantize_checkpoint(self.job.model_dir, out, schemes, force=replace, **kw)
 
-    search: list[dict[str, Any]] = []
-    measured = None
-    t0 = time.perf_counter()
-    if plan_budget is not None:
-        plan = allocate(result_scores, plan_budget, dtype_bits=dtype_bits, fixed_bits=fixed_bits)
-    else:
-        plan, measured, search = _search(result_scores, dtype_bits, target, measure, write, output_dir,  # type: ignore[arg-type]
-                                         search_steps)  # fmt: skip
-    timings["solve_and_search"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    report = write(plan, output_dir, force)
-    timings["write"] = time.perf_counter() - t0
-    if measure is not None and measured is None:
-        t0 = time.perf_counter()
-        measured = dict(measure(output_dir))
-        timings["measure"] = time.perf_counter() - t0
-    write_scores(output_dir / SCORES_NAME, result_scores)
-    timings["total"] = time.perf_counter() - started
-    result = AutoResult(
-        scores=result_scores, budget=plan_budget, allocation=plan, dtype_bits=dtype_bits,
-        curve=budget_curve(result_scores, dtype_bits), uniform=_uniform_table(result_scores, dtype_bits),
-        scores_reused=reused, measured=measured, search=search, target_ppl_increase=target, report=report,
-        output=str(output_dir), seconds=timings,
-    )  # fmt: skip
-    for point in search:  # the search's evaluations are measured points of the curve
+
+def _choose(
+    job: AutoJob, scores: Scores, fixed_bits: int, write: CheckpointWriter
+) -> tuple[Allocation, dict[str, Any] | None, list[dict[str, Any]]]:
+    """(the allocation, its measurement, the search's evaluations): the exact choice under the budget,
+    or the bisection over budgets for target_ppl_increase (which measures as it goes)."""
+    if job.budget is not None:
+        return allocate(scores, job.budget, dtype_bits=job.dtype_bits, fixed_bits=fixed_bits), None, []
+    return _search(scores, job.dtype_bits, job.target, job.measure, write, job.output_dir, job.search_steps)  # type: ignore[arg-type]
+
+
+def _add_measured_points(result: AutoResult, search: list[dict[str, Any]], measured: dict | None) -> None:
+    """The search's evaluations and the chosen checkpoint's measurement are measured points of the curve."""
+    for point in search:
         result.curve.append({"budget_bits": point["budget_bits"], "bits_per_weight": point["bits_per_weight"],
                              "predicted_score": point["predicted_score"], "measured": point["measured"]})  # fmt: skip
     if measured is not None:
+        plan = result.allocation
         result.curve.append({"budget_bits": None, "bits_per_weight": plan.bits_per_weight,
                              "predicted_score": plan.predicted, "measured": measured, "chosen": True})  # fmt: skip
-    return result
 
 
 def _search(

@@ -33,7 +33,7 @@ _EXPORTS = {
     "advance_scaling_state": "mixprec.training.step:advance_scaling_state",
     "clip_grad_norm_": "mixprec.training.step:clip_grad_norm_",
     "DataParallelism": "mixprec.training.parallel:DataParallelism",
-    "fp32_compute": "mixprec.training.bf16_cpu:fp32_compute",
+    "fp32_compute": "mixprec.kernels.bf16_cpu:fp32_compute",
     "LowPrecisionLinear": "mixprec.training.low_precision_linear:LowPrecisionLinear",
     "Fp8Linear": "mixprec.training.low_precision_linear:LowPrecisionLinear",
 }

@@ -1,11 +1,11 @@
 """MixprecTrainerCallback: a converted model trains under transformers.Trainer.
 
-    trainer = Trainer(model, args, train_dataset=ds, optimizers=(mixprec.optim.AdamW(model.parameters()), None),
+    trainer = Trainer(model, args, train_dataset=ds, optimizers=(mixprec.AdamW(model.parameters()), None),
                       callbacks=[MixprecTrainerCallback()])
 
 - After each optimizer step (not each micro-batch: with gradient_accumulation_steps=k the Trainer steps
   once per k micro-batches) it advances the FP8 scaling state, once.
-- With mixprec.optim.AdamW the bf16 parameters' gradients live in the optimizer's fp32 buffers, so the
+- With mixprec.AdamW the bf16 parameters' gradients live in the optimizer's fp32 buffers, so the
   Trainer's own clipping sees no gradients; before each optimizer step the callback clips those buffers
   to ``args.max_grad_norm`` instead (``last_grad_norm`` holds the norm before clipping).
 """

@@ -9,14 +9,14 @@ What each recipe kind does to the model:
   3-D experts get FP8 GEMMs per expert (training/grouped.py) or are reported skipped.
 - fp4 (fp4-nvfp4, fp4-mxfp4): the same, with FP4 GEMMs (``LowPrecisionLinear`` takes FP4 recipes); a recipe's
   ``keep_last=N`` keeps the model's last N blocks in bf16 (policy.last_blocks), after the policy's own rules.
-- bf16: parameters to bf16 ("pure" bf16; pair with mixprec.optim.AdamW for fp32 master weights,
+- bf16: parameters to bf16 ("pure" bf16; pair with mixprec.AdamW for fp32 master weights,
   fp32 gradient accumulation and bf16 moments).
 - bf16-amp / fp16-amp: fp32 parameters, the model's forward runs under torch.autocast (hooks on the
   root module; activation checkpointing keeps autocast). fp16-amp needs loss scaling:
   ``mixprec.training.make_grad_scaler(model)`` (guide defaults init_scale 2**14, growth_interval 1000).
 - fp32: parameters to fp32; the forward and backward run with TF32 off even if enable_fast_paths() is on.
 On CPUs without AVX-512-BF16 / AMX, every bf16/fp16 GEMM of the converted model computes in fp32 and
-rounds (training/bf16_cpu.py; ``cpu_bf16_gemm`` chooses).
+rounds (kernels/bf16_cpu.py; ``cpu_bf16_gemm`` chooses).
 Modules the policy keeps stay in the recipe's high precision; rule action "fp32" makes an fp32 island.
 """
 
@@ -33,8 +33,8 @@ from torch import nn
 
 from mixprec.conversion import ConversionReport, ModuleEntry, replace_submodule
 from mixprec.errors import MixprecError
+from mixprec.kernels import bf16_cpu
 from mixprec.recipes import QUANTIZED_KINDS, from_name
-from mixprec.training import bf16_cpu
 from mixprec.training.fast_paths import true_fp32_hooks
 from mixprec.training.grouped import convert_experts
 from mixprec.training.low_precision_linear import LowPrecisionLinear
@@ -269,7 +269,7 @@ def convert_for_training(
     elif kind != "fp32" and device.type == "cpu":
         notes.append("CPU: native bf16/fp16 GEMMs (this CPU has AVX-512-BF16/AMX, or cpu_bf16_gemm='native')")
     if kind in ("bf16", *QUANTIZED_KINDS):
-        notes.append("use mixprec.optim.AdamW: fp32 master weights, fp32 gradient accumulation, bf16 moments")
+        notes.append("use mixprec.AdamW: fp32 master weights, fp32 gradient accumulation, bf16 moments")
     if kind == "fp16-amp":
         notes.append("fp16 needs loss scaling: mixprec.training.make_grad_scaler(model)")
     config = getattr(model, "config", None)

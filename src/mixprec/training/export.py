@@ -6,7 +6,7 @@ any Hugging Face checkpoint. Plain nn.Modules: ``model.safetensors`` with the st
 Only parameters and the model's own buffers are written, in the chosen dtype; the FP8 scaling state
 (amax histories, scales) that conversion added is not. ``mixprec_export.json`` records what was done.
 
-Parameters trained in bf16 with ``mixprec.optim.AdamW`` have their true values in the optimizer's fp32
+Parameters trained in bf16 with ``mixprec.AdamW`` have their true values in the optimizer's fp32
 master copies (the bf16 parameter is their rounding). Pass ``optimizer=`` and an fp32 export writes
 the masters, not the bf16 parameters widened to fp32 (for a bf16 export both give the same bits).
 
@@ -103,7 +103,7 @@ def export_for_inference(
 ) -> Path:
     """Write `model` to `directory` as a plain checkpoint (safetensors) in `dtype` ("bf16" or "fp32").
 
-    optimizer: the training optimizer; parameters it keeps fp32 master copies of (mixprec.optim.AdamW
+    optimizer: the training optimizer; parameters it keeps fp32 master copies of (mixprec.AdamW
     for bf16 parameters) are written from those masters.
     """
     if not isinstance(model, nn.Module):

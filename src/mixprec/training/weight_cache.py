@@ -16,7 +16,7 @@ delayed-scaling state already keeps one) — or calls `invalidate()` after each 
 (`invalidate_all(model)` does it for every layer that has a cache; `install_step_hook(optimizer,
 model)` registers that as an optimizer step post-hook). As a safety net the key also holds a count
 of every torch.optim optimizer step in the process (a global step post-hook, registered at the
-first cache lookup): any torch optimizer — fused AdamW, mixprec.optim.AdamW writing through `p.copy_`
+first cache lookup): any torch optimizer — fused AdamW, mixprec.AdamW writing through `p.copy_`
 — invalidates every cache when it steps, even if the owner forgot the step counter. Only writes to
 a parameter outside torch optimizers and without autograd-visible ops (`p.data.copy_(...)` by hand)
 need `invalidate_all(model)`. Inference tensors (torch.inference_mode)
