@@ -128,40 +128,68 @@ def compare(
     recipes whose trained model is returned in summary.trained_models. stop_after: interrupt every run
     after that many steps (tests of --resume). Raises MixprecError on bad input before writing anything.
     """
-    if config is None:
-        try:
-            config = CompareConfig(
-                recipes=tuple(recipes), steps=steps, seed=seed, model_dir=None if model is None else str(model),
-                data=None if data is None else str(data), tokenizer=None if tokenizer is None else str(tokenizer),
-                **settings,
-            )  # fmt: skip
-        except TypeError as exc:
-            raise MixprecError(f"compare: {exc}") from None
+    config = config or _config_of(recipes, steps, seed, model, data, tokenizer, settings)
     config.validate()
     out_path = Path(out) if out is not None else None
-    rank, world = ranks.rank(), ranks.world_size()
     if out_path is not None:
         # every rank checks (read-only, same answer everywhere), so no rank waits alone in a collective
         outdir.check_out_dir(out_path, config, resume=resume, force=force)
     elif resume:
         raise MixprecError("--resume needs --out (the directory of the interrupted comparison)")
     data_t, base_model, model_info = load_inputs(config)
-
-    ckpt_dir = None
-    if out_path is not None:
-        _barrier(world)  # every rank has checked --out before rank 0 writes into it
-        if rank == 0:
-            ckpt_dir = outdir.start(out_path, config, resume=resume, force=force)
-        _barrier(world)  # ... and the checkpoint folder exists before any rank uses it
-        # every rank checkpoints (its own shard) and resumes from the same folder
-        ckpt_dir = out_path / outdir.CHECKPOINTS
-        if resume:
-            _check_checkpoint_kind(ckpt_dir, world)
+    ckpt_dir = _checkpoint_dir(out_path, config, resume, force)
     specs = run_specs(config)
     if config.policy == "auto":
         specs = with_automatic_policies(config, specs, base_model, data_t, model_info)
+    results = _train_all(specs, base_model, data_t, ckpt_dir, progress=progress, prepare=prepare,
+                         stop_after=stop_after, keep_models=keep_models)  # fmt: skip
+    records = [r for res in results for r in res.records]
+    summary = summarize(records, config)
+    summary.data = data_t.describe()
+    summary.model = model_info
+    summary.speed = speed_figures(results)
+    summary.machine = describe_machine()
+    summary.trained_models = {res.name: res.model for res in results if res.model is not None}
+    summary.tokenizer = data_t.tokenizer
+    if out_path is not None and ranks.is_main_process():
+        write_artefacts(out_path, summary, records)
+        outdir.finish(out_path)
+    return summary
+
+
+def _config_of(recipes, steps, seed, model, data, tokenizer, settings: dict) -> CompareConfig:
+    """The CompareConfig of compare()'s keyword arguments; an unknown setting is the user's error."""
+    try:
+        return CompareConfig(
+            recipes=tuple(recipes), steps=steps, seed=seed, model_dir=None if model is None else str(model),
+            data=None if data is None else str(data), tokenizer=None if tokenizer is None else str(tokenizer),
+            **settings,
+        )  # fmt: skip
+    except TypeError as exc:
+        raise MixprecError(f"compare: {exc}") from None
+
+
+def _checkpoint_dir(out_path: Path | None, config: CompareConfig, resume: bool, force: bool) -> Path | None:
+    """The run checkpoints' folder under --out (None without --out): rank 0 creates it, every rank
+    checkpoints its own shard there and resumes from it."""
+    if out_path is None:
+        return None
+    world = ranks.world_size()
+    _barrier(world)  # every rank has checked --out before rank 0 writes into it
+    if ranks.is_main_process():
+        outdir.start(out_path, config, resume=resume, force=force)
+    _barrier(world)  # ... and the checkpoint folder exists before any rank uses it
+    ckpt_dir = out_path / outdir.CHECKPOINTS
+    if resume:
+        _check_checkpoint_kind(ckpt_dir, world)
+    return ckpt_dir
+
+
+def _train_all(specs, base_model, data_t, ckpt_dir: Path | None, *, progress: bool, prepare, stop_after,
+               keep_models: Sequence[str]) -> list[RunResult]:  # fmt: skip
+    """Every run in turn, one progress bar each (on the main process); trained models dropped unless kept."""
     results: list[RunResult] = []
-    with ProgressBars(progress and rank == 0, time_remaining=True, label_width=22) as bars:
+    with ProgressBars(progress and ranks.is_main_process(), time_remaining=True, label_width=22) as bars:
         runs = {s.name: bars.add(s.name, total=s.steps) for s in specs}
 
         def on_step(name: str, step: int) -> None:
@@ -175,19 +203,7 @@ def compare(
                 result.model = None
             results.append(result)
             on_step(spec.name, spec.steps)
-
-    records = [r for res in results for r in res.records]
-    summary = summarize(records, config)
-    summary.data = data_t.describe()
-    summary.model = model_info
-    summary.speed = speed_figures(results)
-    summary.machine = describe_machine()
-    summary.trained_models = {res.name: res.model for res in results if res.model is not None}
-    summary.tokenizer = data_t.tokenizer
-    if out_path is not None and rank == 0:
-        write_artefacts(out_path, summary, records)
-        outdir.finish(out_path)
-    return summary
+    return results
 
 
 def _barrier(world: int) -> None:

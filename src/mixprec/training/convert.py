@@ -216,25 +216,9 @@ def convert_for_training(
     device = _check_model(model)
     kind, recipe_obj, recipe_name = resolve_recipe(recipe)
     fp32_compute = kind != "fp32" and bf16_cpu.should_install(model, cpu_bf16_gemm)
-    if isinstance(policy, Mapping):
-        policy = Policy.from_rules(policy)  # {"name pattern": "keep" | "convert" | "fp32"}
-    policy = policy or Policy()
-    if not isinstance(policy, Policy):
-        raise MixprecError(
-            f"policy must be a mixprec.training.Policy or a dict of name pattern -> action, got {type(policy).__name__}"
-        )
-    if getattr(recipe_obj, "keep_last", 0):
-        policy = keep_last_blocks(model, policy, recipe_obj.keep_last, recipe_name)
-    decisions = decide(model, policy)
-
-    if kind in QUANTIZED_KINDS and not any(
-        d.action == "convert" and d.role in ("linear", "head", "router", "experts") for d in decisions
-    ):
-        kept = [
-            f"{d.name} ({d.reason})" for d in decisions if d.role in ("linear", "head", "router", "experts")
-        ]
-        detail = "; ".join(kept[:6]) if kept else "it has no nn.Linear and no fused experts"
-        raise MixprecError(f"nothing to convert to {recipe_name} in {type(model).__name__}: {detail}")
+    decisions = decide(model, _policy_of(model, policy, recipe_obj, recipe_name))
+    if kind in QUANTIZED_KINDS:
+        _check_something_converts(model, decisions, recipe_name)
 
     low = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp4": torch.bfloat16}.get(kind, torch.float32)
     modules = dict(model.named_modules())
@@ -253,25 +237,8 @@ def convert_for_training(
     if kind in QUANTIZED_KINDS:
         _apply_fp8(model, decisions, recipe_obj, recipe_name, entries, state)
 
-    for n in island_names:
-        state.handles += _fp32_island(model.get_submodule(n))
-    if kind in ("bf16-amp", "fp16-amp"):
-        amp_dtype = torch.bfloat16 if kind == "bf16-amp" else torch.float16
-        autocast = _ContextHooks(lambda: torch.autocast(_device_type(model), dtype=amp_dtype))
-        state.handles += autocast.register(model)
-    if kind == "fp32":
-        state.handles += true_fp32_hooks(model)
-
-    notes = []
-    if fp32_compute:
-        state.handles.append(bf16_cpu.install(model))
-        notes.append("CPU: bf16/fp16 GEMMs compute in fp32 and round (as a GPU GEMM with fp32 accumulation)")
-    elif kind != "fp32" and device.type == "cpu":
-        notes.append("CPU: native bf16/fp16 GEMMs (this CPU has AVX-512-BF16/AMX, or cpu_bf16_gemm='native')")
-    if kind in ("bf16", *QUANTIZED_KINDS):
-        notes.append("use mixprec.AdamW: fp32 master weights, fp32 gradient accumulation, bf16 moments")
-    if kind == "fp16-amp":
-        notes.append("fp16 needs loss scaling: mixprec.training.make_grad_scaler(model)")
+    state.handles += _precision_hooks(model, kind, island_names, fp32_compute)
+    notes = _notes(kind, fp32_compute, device)
     config = getattr(model, "config", None)
     if config is not None and kind in ("bf16", *QUANTIZED_KINDS):
         config.dtype = torch.bfloat16  # what save_pretrained records; export_for_inference sets its own
@@ -287,6 +254,60 @@ def convert_for_training(
     state.report = report
     model.__dict__["_mixprec"] = state
     return report
+
+
+def _policy_of(model: nn.Module, policy: Any, recipe_obj: Any, recipe_name: str) -> Policy:
+    """The Policy to decide with: a dict of rules becomes one; a recipe's keep_last keeps its last blocks."""
+    if isinstance(policy, Mapping):
+        policy = Policy.from_rules(policy)  # {"name pattern": "keep" | "convert" | "fp32"}
+    policy = policy or Policy()
+    if not isinstance(policy, Policy):
+        raise MixprecError(
+            f"policy must be a mixprec.training.Policy or a dict of name pattern -> action, got {type(policy).__name__}"
+        )
+    if getattr(recipe_obj, "keep_last", 0):
+        policy = keep_last_blocks(model, policy, recipe_obj.keep_last, recipe_name)
+    return policy
+
+
+def _check_something_converts(model: nn.Module, decisions: list, recipe_name: str) -> None:
+    """A quantized recipe that would convert no layer is refused, naming why each candidate was kept."""
+    layers = ("linear", "head", "router", "experts")
+    if any(d.action == "convert" and d.role in layers for d in decisions):
+        return
+    kept = [f"{d.name} ({d.reason})" for d in decisions if d.role in layers]
+    detail = "; ".join(kept[:6]) if kept else "it has no nn.Linear and no fused experts"
+    raise MixprecError(f"nothing to convert to {recipe_name} in {type(model).__name__}: {detail}")
+
+
+def _precision_hooks(model: nn.Module, kind: str, island_names: list[str], fp32_compute: bool) -> list:
+    """The hooks that hold each part at its precision: fp32 islands, autocast for the amp kinds, true
+    fp32 matmuls for fp32, and the CPU's fp32-compute bf16 GEMMs (installed last, as before)."""
+    handles = []
+    for n in island_names:
+        handles += _fp32_island(model.get_submodule(n))
+    if kind in ("bf16-amp", "fp16-amp"):
+        amp_dtype = torch.bfloat16 if kind == "bf16-amp" else torch.float16
+        autocast = _ContextHooks(lambda: torch.autocast(_device_type(model), dtype=amp_dtype))
+        handles += autocast.register(model)
+    if kind == "fp32":
+        handles += true_fp32_hooks(model)
+    if fp32_compute:
+        handles.append(bf16_cpu.install(model))
+    return handles
+
+
+def _notes(kind: str, fp32_compute: bool, device: torch.device) -> list[str]:
+    notes = []
+    if fp32_compute:
+        notes.append("CPU: bf16/fp16 GEMMs compute in fp32 and round (as a GPU GEMM with fp32 accumulation)")
+    elif kind != "fp32" and device.type == "cpu":
+        notes.append("CPU: native bf16/fp16 GEMMs (this CPU has AVX-512-BF16/AMX, or cpu_bf16_gemm='native')")
+    if kind in ("bf16", *QUANTIZED_KINDS):
+        notes.append("use mixprec.AdamW: fp32 master weights, fp32 gradient accumulation, bf16 moments")
+    if kind == "fp16-amp":
+        notes.append("fp16 needs loss scaling: mixprec.training.make_grad_scaler(model)")
+    return notes
 
 
 def _apply_fp8(
