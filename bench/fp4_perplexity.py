@@ -26,9 +26,9 @@ import torch
 
 from mixprec.data import load_corpus
 from mixprec.hf import load_model, load_tokenizer
-from mixprec.inference.calibration import calibrate
-from mixprec.inference.fp4_layout import input_global_scale
-from mixprec.inference.online import linear_targets, quantize_model_
+from mixprec.inference.calibration.run import calibrate
+from mixprec.inference.checkpoint.fp4_layout import input_global_scale
+from mixprec.inference.runtime.online import linear_targets, quantize_model_
 from mixprec.inference.schemes import SCHEMES, resolve_ignore
 from mixprec.verdicts import paired_bootstrap, perplexity_change
 

@@ -244,7 +244,7 @@ def test_an_upward_import_is_caught():
 def test_a_sideways_import_and_a_private_name_are_caught():
     sources = {
         "mixprec.training.convert": ("from mixprec.inference.schemes import SCHEMES\n", False),
-        "mixprec.inference.linear": ("from mixprec.scaling import _secret\n", False),
+        "mixprec.inference.runtime.linear": ("from mixprec.scaling import _secret\n", False),
     }
     found = violations(sources)
     assert any("sideways (wings -> wings)" in v for v in found), found
@@ -325,6 +325,89 @@ def test_strings_that_only_look_like_modules_are_not_imports():
     assert [i.target for i in imports_of("mixprec.formats", 'X = "mixprec.comparison.runner:compare"\n')] == [
         "mixprec.comparison.runner"
     ]
+
+
+# The rooms of the inference wing, lowest first, held like LAYERS: a module of the wing may import its
+# own room and the rooms below it, never a room beside it or above it. A room is the first name under
+# mixprec.inference (a module file or a sub-package). The wing's package itself is its lazy public
+# namespace, which names every room by design.
+INFERENCE_ROOMS: list[tuple[str, tuple[str, ...]]] = [
+    ("schemes", ("schemes",)),  # what a scheme is: formats, granularities, serving rules
+    ("mixed", ("mixed",)),  # one scheme per Linear (a mixed checkpoint)
+    ("checkpoint", ("checkpoint",)),  # safetensors IO, the layout table, the scales file, publish
+    ("calibration", ("calibration",)),  # data, observers, the run, layer by layer
+    ("runtime", ("runtime",)),  # QuantizedLinear, unfused experts, a live model's quantization
+    ("products", ("producers", "readers")),  # quantize / save / convert; load / inspect
+]
+WING = "mixprec.inference"
+
+
+def room_of(module: str) -> str:
+    """The room of a module of the inference wing ("" for the wing's package itself)."""
+    return module[len(WING) + 1 :].split(".")[0] if module.startswith(WING + ".") else ""
+
+
+def wing_violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """What breaks the order of INFERENCE_ROOMS in {module: (source, is_package)}."""
+    level = {room: i for i, (_, rooms) in enumerate(INFERENCE_ROOMS) for room in rooms}
+    problems = []
+    for module, (source, is_package) in sorted(sources.items()):
+        own = room_of(module)
+        if not own:
+            continue
+        if own not in level:
+            problems.append(f"{module}: room {own!r} is in no row of INFERENCE_ROOMS")
+            continue
+        for imp in imports_of(module, source, is_package):
+            target = room_of(imp.target)
+            if not target or target == own:
+                continue
+            where = f"{module}:{imp.line}"
+            if target not in level:
+                problems.append(f"{where} imports {imp.target}, which is in no room")
+            elif level[target] >= level[own]:
+                direction = "sideways" if level[target] == level[own] else "upward"
+                problems.append(f"{where} imports {imp.target} {direction} ({own} -> {target})")
+    return problems
+
+
+def test_the_inference_wing_keeps_its_rooms_in_order():
+    sources = package_sources()
+    assert wing_violations(sources) == []
+    present = {room_of(m) for m in sources if room_of(m)}
+    assert present == {room for _, rooms in INFERENCE_ROOMS for room in rooms}
+
+
+def test_an_inverted_import_inside_the_wing_is_caught():
+    sources = package_sources()
+    linear, _ = sources["mixprec.inference.runtime.linear"]
+    # a runtime layer reaching into a producer; the checkpoint room into calibration (in a function);
+    # a reader taking a producer's helper (sideways)
+    sources["mixprec.inference.runtime.linear"] = (
+        linear + "\nfrom mixprec.inference.producers.quantize import quantize_checkpoint\n",
+        False,
+    )
+    sources["mixprec.inference.checkpoint.publish"] = (
+        sources["mixprec.inference.checkpoint.publish"][0]
+        + "\ndef _late():\n    from mixprec.inference.calibration.run import calibrate\n",
+        False,
+    )
+    sources["mixprec.inference.readers.load"] = (
+        sources["mixprec.inference.readers.load"][0]
+        + '\n_SAVE = "mixprec.inference.producers.save:save_quantized"\n',
+        False,
+    )
+    found = wing_violations(sources)
+    assert any(
+        "mixprec.inference.runtime.linear:" in v and "upward (runtime -> producers)" in v for v in found
+    ), found
+    assert any(
+        "mixprec.inference.checkpoint.publish:" in v and "upward (checkpoint -> calibration)" in v
+        for v in found
+    ), found
+    assert any(
+        "mixprec.inference.readers.load:" in v and "sideways (readers -> producers)" in v for v in found
+    ), found
 
 
 LAZY_PACKAGES = ("mixprec", "mixprec.training", "mixprec.inference")

@@ -14,15 +14,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import (
-    NEVER_STOP_EARLY,
-    MaxObserver,
-    MseObserver,
-    PercentileObserver,
-    StopRule,
-    calibrate,
-    load_texts,
-)
+from mixprec.inference.calibration.data import load_texts
+from mixprec.inference.calibration.observers import MaxObserver, MseObserver, PercentileObserver
+from mixprec.inference.calibration.run import NEVER_STOP_EARLY, StopRule, calibrate
 from mixprec.quantization import fake_quantize
 from mixprec.scaling import Granularity, compute_scale
 
@@ -342,7 +336,7 @@ def test_observing_keys_and_values_keeps_the_attention_mask():
     # transformers builds no attention mask for an implementation name it does not know: the routed
     # attention gets the inner implementation's mask function, so a padded batch stays padded
     transformers = pytest.importorskip("transformers")
-    from mixprec.inference.calibration import kv_attention_patch
+    from mixprec.inference.calibration.run import kv_attention_patch
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip

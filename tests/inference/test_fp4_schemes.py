@@ -14,11 +14,11 @@ from torch import nn
 
 from mixprec.formats import unpack_nibbles
 from mixprec.hf import load_model
-from mixprec.inference.layouts import ct_quantization_config
-from mixprec.inference.load import load_quantized
-from mixprec.inference.offline import quantize_checkpoint
-from mixprec.inference.online import quantize_model_
-from mixprec.inference.save import save_quantized
+from mixprec.inference.checkpoint.layouts import ct_quantization_config
+from mixprec.inference.producers.quantize import quantize_checkpoint
+from mixprec.inference.producers.save import save_quantized
+from mixprec.inference.readers.load import load_quantized
+from mixprec.inference.runtime.online import quantize_model_
 from mixprec.inference.schemes import BLOCK_DIMS_RULE, SCHEMES
 from mixprec.quantization import quantize
 
@@ -188,7 +188,7 @@ def test_save_quantized_round_trips_block_schemes(tmp_path):
 def test_inspect_names_the_engines_that_read_each_block_scheme(written):
     """vLLM reads every FP4/MX compressed-tensors scheme (its CPU build then finds no kernel:
     docs/serving.md); load_quantized reads every scheme mixprec writes."""
-    from mixprec.inference.inspection import inspect_checkpoint
+    from mixprec.inference.readers.inspection import inspect_checkpoint
 
     for name, directory in written.items():
         engines = inspect_checkpoint(directory)["engines"]

@@ -15,16 +15,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "load_quantized": "mixprec.inference.load:load_quantized",
-    "quantize_model_": "mixprec.inference.online:quantize_model_",
-    "quantize_checkpoint": "mixprec.inference.offline:quantize_checkpoint",
-    "save_quantized": "mixprec.inference.save:save_quantized",
+    "load_quantized": "mixprec.inference.readers.load:load_quantized",
+    "quantize_model_": "mixprec.inference.runtime.online:quantize_model_",
+    "quantize_checkpoint": "mixprec.inference.producers.quantize:quantize_checkpoint",
+    "save_quantized": "mixprec.inference.producers.save:save_quantized",
     "InferenceScheme": "mixprec.inference.schemes:InferenceScheme",
     "SCHEMES": "mixprec.inference.schemes:SCHEMES",
     "DEFAULT_IGNORE": "mixprec.inference.schemes:DEFAULT_IGNORE",
-    "QuantizedLinear": "mixprec.inference.linear:QuantizedLinear",
-    "read_scales_file": "mixprec.inference.scales_file:read_scales_file",
-    "calibrate": "mixprec.inference.calibration:calibrate",
+    "QuantizedLinear": "mixprec.inference.runtime.linear:QuantizedLinear",
+    "read_scales_file": "mixprec.inference.checkpoint.scales_file:read_scales_file",
+    "calibrate": "mixprec.inference.calibration.run:calibrate",
 }
 
 __all__ = list(_EXPORTS)

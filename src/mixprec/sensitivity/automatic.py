@@ -36,10 +36,10 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.files import write_json_atomic
 from mixprec.hf import config_dtype, load_model, load_tokenizer, read_config
-from mixprec.inference.calibration import load_texts, token_batches
-from mixprec.inference.offline import quantize_checkpoint
-from mixprec.inference.online import quantize_model_ as quantize_one_scheme
-from mixprec.inference.safetensors_io import open_checkpoint
+from mixprec.inference.calibration.data import load_texts, token_batches
+from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
+from mixprec.inference.producers.quantize import quantize_checkpoint
+from mixprec.inference.runtime.online import quantize_model_ as quantize_one_scheme
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.progress import ProgressBars
 from mixprec.select import REGEX_PREFIX

@@ -39,9 +39,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import NEVER_STOP_EARLY, calibrate
-from mixprec.inference.fp4_layout import fused_global_scales, input_global_scale
-from mixprec.inference.linear import quantized_linear
+from mixprec.inference.calibration.run import NEVER_STOP_EARLY, calibrate
+from mixprec.inference.checkpoint.fp4_layout import fused_global_scales, input_global_scale
+from mixprec.inference.runtime.linear import quantized_linear
 from mixprec.inference.schemes import (
     SCHEMES,
     InferenceScheme,
@@ -101,7 +101,7 @@ def static_input_amax(
     model: nn.Module, batches: Sequence[Any], names: Sequence[str], candidates: Sequence[InferenceScheme]
 ) -> dict[str, float]:
     """The input amax of every Linear, for the candidates with calibrated input scales (fp8-static,
-    nvfp4's input global scale), from THE calibration (mixprec.inference.calibration.calibrate, max
+    nvfp4's input global scale), from THE calibration (mixprec.inference.calibration.run.calibrate, max
     observer, every batch): what `mixprec quantize` derives its static scales from."""
     if not any(s.needs_calibration for s in candidates):
         return {}

@@ -29,7 +29,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.hf import read_config
-from mixprec.inference.layout_tables import (
+from mixprec.inference.checkpoint.layout_tables import (
     LayoutConfig,
     StoredModule,
     StoredScheme,
@@ -40,7 +40,7 @@ from mixprec.inference.layout_tables import (
     quantized_modules,
     read_layout_config,
 )
-from mixprec.inference.safetensors_io import Checkpoint, ShardReader, open_checkpoint
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader, open_checkpoint
 from mixprec.inference.schemes import (
     PARTLY_QUANTIZED_RULE,
     SCHEMES,

@@ -29,8 +29,12 @@ from pathlib import Path
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.inference.layouts import CONVERT_LAYOUTS, MODELOPT_ALGO_SCHEMES, read_quantization_config
-from mixprec.inference.safetensors_io import Checkpoint, TensorInfo
+from mixprec.inference.checkpoint.layouts import (
+    CONVERT_LAYOUTS,
+    MODELOPT_ALGO_SCHEMES,
+    read_quantization_config,
+)
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, TensorInfo
 from mixprec.select import REGEX_PREFIX, matches
 
 FP4_GROUP = 16

@@ -18,7 +18,7 @@ from torch import nn
 
 from mixprec.conversion import replace_submodule
 from mixprec.errors import MixprecError
-from mixprec.inference.linear_weights import ExpertSlot, expert_slots
+from mixprec.inference.checkpoint.linear_weights import ExpertSlot, expert_slots
 
 
 def check_supported(module: nn.Module, name: str) -> None:

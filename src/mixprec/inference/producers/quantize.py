@@ -31,22 +31,15 @@ from mixprec.errors import MixprecError
 from mixprec.files import atomic_output_dir, write_json_atomic
 from mixprec.formats import E4M3
 from mixprec.hf import load_model, load_tokenizer, read_config
-from mixprec.inference import layouts
-from mixprec.inference.calibration import (
-    NothingObserved,
-    StopRule,
-    calibrate,
-    load_texts,
-    make_observer,
-    token_batches,
-)
-from mixprec.inference.experts import unfuse_for_calibration
-from mixprec.inference.fp4_layout import planned_tensors
-from mixprec.inference.fp4_offline import quantize_block_task, weight_global_scales
-from mixprec.inference.layerwise import calibrate_layerwise
-from mixprec.inference.linear_weights import FLOAT_DTYPES, LinearWeights, find_linear_weights
-from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, MIXED, PLAIN, apply_assignment, mixed_assignment
-from mixprec.inference.safetensors_io import (
+from mixprec.inference.calibration.data import load_texts, token_batches
+from mixprec.inference.calibration.layerwise import calibrate_layerwise
+from mixprec.inference.calibration.observers import make_observer
+from mixprec.inference.calibration.run import NothingObserved, StopRule, calibrate
+from mixprec.inference.checkpoint import layouts
+from mixprec.inference.checkpoint.fp4_layout import planned_tensors
+from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES, LinearWeights, find_linear_weights
+from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, parse_size
+from mixprec.inference.checkpoint.safetensors_io import (
     Checkpoint,
     PlannedShardWriter,
     PlannedTensor,
@@ -57,7 +50,10 @@ from mixprec.inference.safetensors_io import (
     plan_shards,
     write_index,
 )
-from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.checkpoint.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, MIXED, PLAIN, apply_assignment, mixed_assignment
+from mixprec.inference.producers.quantize_blocks import quantize_block_task, weight_global_scales
+from mixprec.inference.runtime.experts import unfuse_for_calibration
 from mixprec.inference.schemes import (
     InferenceScheme,
     check_finite,
@@ -70,24 +66,6 @@ from mixprec.inference.schemes import (
 from mixprec.progress import ProgressBars, progress_bar
 from mixprec.scaling import compute_scale
 from mixprec.select import selects_any
-
-DEFAULT_MAX_SHARD_SIZE = "2GB"
-
-
-def parse_size(size: str | int) -> int:
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper().replace("IB", "B")
-    for unit, mult in (("KB", 1 << 10), ("MB", 1 << 20), ("GB", 1 << 30), ("TB", 1 << 40), ("B", 1)):
-        if s.endswith(unit):
-            try:
-                return int(float(s[: -len(unit)]) * mult)
-            except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
-        raise MixprecError(f"bad size {size!r} (use e.g. 500MB, 2GB)") from None
 
 
 def read_source_config(model_dir: Path) -> dict[str, Any]:

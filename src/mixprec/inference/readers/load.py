@@ -26,21 +26,19 @@ from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.hf import build_model, config_dtype, read_config
-from mixprec.inference.experts import unfuse_skeleton
-from mixprec.inference.fp4_layout import read_layer
-from mixprec.inference.fp4_offline import compact_entry
-from mixprec.inference.layout_tables import attention_of_kv_scale
-from mixprec.inference.layouts import (
+from mixprec.inference.checkpoint.fp4_layout import read_layer
+from mixprec.inference.checkpoint.layout_tables import attention_of_kv_scale
+from mixprec.inference.checkpoint.layouts import (
     LayoutSpec,
     ModuleLayout,
     parse_quantization_config,
     read_quantization_config,
 )
-from mixprec.inference.linear import QuantizedLinear, quantized_linear
-from mixprec.inference.linear_weights import conversion_transforms, rename_key
-from mixprec.inference.safetensors_io import ShardReader, open_checkpoint
-from mixprec.inference.scales_file import (
+from mixprec.inference.checkpoint.linear_weights import conversion_transforms, rename_key
+from mixprec.inference.checkpoint.safetensors_io import ShardReader, open_checkpoint
+from mixprec.inference.checkpoint.scales_file import (
     check_against_checkpoint,
+    compact_entry,
     find_scales_file,
     input_scale_tensor,
     layer_entry,
@@ -48,6 +46,8 @@ from mixprec.inference.scales_file import (
     read_scales_file,
     weight_scale_tensor,
 )
+from mixprec.inference.runtime.experts import unfuse_skeleton
+from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.scaling import QuantizedTensor
 

@@ -28,7 +28,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.files import atomic_output_dir, write_json_atomic
 from mixprec.hf import read_config
-from mixprec.inference.layout_tables import (
+from mixprec.inference.checkpoint.layout_tables import (
     FP4_GROUP,
     MODELOPT_ALGOS,
     LayoutConfig,
@@ -45,9 +45,9 @@ from mixprec.inference.layout_tables import (
     read_layout_config,
     reciprocal_f32,
 )
-from mixprec.inference.layouts import CONVERT_LAYOUTS, MODELOPT_CONFIG_NAME, ct_group_args
-from mixprec.inference.offline import parse_size
-from mixprec.inference.safetensors_io import (
+from mixprec.inference.checkpoint.layouts import CONVERT_LAYOUTS, MODELOPT_CONFIG_NAME, ct_group_args
+from mixprec.inference.checkpoint.publish import parse_size
+from mixprec.inference.checkpoint.safetensors_io import (
     PlannedShardWriter,
     PlannedTensor,
     ShardReader,

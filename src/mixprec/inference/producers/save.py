@@ -20,12 +20,17 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
-from mixprec.inference import layouts
-from mixprec.inference.experts import UnfusedExperts
-from mixprec.inference.linear import BlockQuantizedLinear, QuantizedLinear
+from mixprec.inference.checkpoint import layouts
+from mixprec.inference.checkpoint.safetensors_io import (
+    PlannedShardWriter,
+    PlannedTensor,
+    plan_shards,
+    write_index,
+)
+from mixprec.inference.checkpoint.scales_file import build_document, layer_entry, write_scales_file
 from mixprec.inference.mixed import MIXED, check_groups_whole
-from mixprec.inference.safetensors_io import PlannedShardWriter, PlannedTensor, plan_shards, write_index
-from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.runtime.experts import UnfusedExperts
+from mixprec.inference.runtime.linear import BlockQuantizedLinear, QuantizedLinear
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 
 DEFAULT_MAX_SHARD_SIZE = 2 << 30

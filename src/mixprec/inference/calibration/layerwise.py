@@ -22,15 +22,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
-from mixprec.inference.calibration import (
-    CalibrationResult,
-    CalibrationRun,
-    MaxObserver,
-    Observer,
-    kv_attention_patch,
-    make_observer,
-)
-from mixprec.inference.safetensors_io import Checkpoint, ShardReader
+from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
+from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
 

@@ -16,11 +16,11 @@ from torch import nn
 from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import StopRule, calibrate, load_texts, token_batches
-from mixprec.inference.fp4_layout import fused_global_scales, input_global_scale
-from mixprec.inference.fp4_offline import compact_entry
-from mixprec.inference.linear import QuantizedLinear, quantized_linear
-from mixprec.inference.scales_file import layer_entry
+from mixprec.inference.calibration.data import load_texts, token_batches
+from mixprec.inference.calibration.run import StopRule, calibrate
+from mixprec.inference.checkpoint.fp4_layout import fused_global_scales, input_global_scale
+from mixprec.inference.checkpoint.scales_file import compact_entry, layer_entry
+from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
 from mixprec.scaling import compute_scale
 

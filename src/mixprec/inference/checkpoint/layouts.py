@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixprec.errors import MixprecError
-from mixprec.inference.fp4_layout import ct_block_scheme_args
+from mixprec.inference.checkpoint.fp4_layout import ct_block_scheme_args
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.scaling import Granularity
 from mixprec.select import matches

@@ -24,6 +24,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
+from mixprec.inference.schemes import InferenceScheme
 
 SCHEMA_VERSION = (
     3  # 3: the stop rule watches the clipped share (clipped, clipped_by_batch); 2: calibration records
@@ -71,6 +72,18 @@ def layer_entry(
     if input_amax is not None:
         entry["input"]["amax"] = float(input_amax)
     return entry
+
+
+def compact_entry(q, sch: InferenceScheme, stats, shape, in_global: torch.Tensor | None, in_amax) -> dict[str, Any]:  # fmt: skip
+    """The report entry of a block-format layer: its global scale (NVFP4) instead of the millions of
+    block scales the checkpoint itself holds."""
+    scale = q.global_scale.reshape(1) if q.global_scale is not None else torch.empty(0)
+    return layer_entry(
+        scheme=sch.name, weight_granularity=f"{sch.weight_granularity.name} (global scale)", weight_scale=scale,
+        weight_amax=stats.amax if stats is not None else float("nan"),
+        relative_weight_error=stats.relative_error if stats is not None else float("nan"), shape=tuple(shape),
+        input_scale=in_global, input_amax=in_amax, input_dynamic=True, input_granularity=sch.input_granularity.name,
+    )  # fmt: skip
 
 
 def _finite_or_none(x: float | None) -> float | None:
