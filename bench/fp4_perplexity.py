@@ -27,7 +27,7 @@ import torch
 from mixprec.data import load_corpus
 from mixprec.hf import load_model, load_tokenizer
 from mixprec.inference.calibration.run import calibrate
-from mixprec.inference.checkpoint.fp4_layout import input_global_scale
+from mixprec.inference.checkpoint.block_tensors import input_global_scale
 from mixprec.inference.runtime.online import linear_targets, quantize_model_
 from mixprec.inference.schemes import SCHEMES, resolve_ignore
 from mixprec.verdicts import paired_bootstrap, perplexity_change

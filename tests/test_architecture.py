@@ -410,6 +410,65 @@ def test_an_inverted_import_inside_the_wing_is_caught():
     ), found
 
 
+# The one module that may spell checkpoint tensor names (the layout table); everything else takes them
+# from it. File-format names (model.fp8_scales.json) are no tensor names and stay where they are.
+LAYOUT_MODULE = "mixprec.inference.checkpoint.layout"
+
+
+def tensor_name_strings(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, string) of every string constant — f-string pieces included — equal to a checkpoint
+    tensor name or ending in "." + one: a name spelled outside the layout table."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and any(node.value == n or node.value.endswith("." + n) for n in names)
+        ):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def spelled_tensor_names(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    names = importlib.import_module(LAYOUT_MODULE).TENSOR_NAMES
+    return [
+        f"{module}:{line} spells {value!r}"
+        for module, (source, _) in sorted(sources.items())
+        if module != LAYOUT_MODULE
+        for line, value in tensor_name_strings(source, names)
+    ]
+
+
+def test_checkpoint_tensor_names_are_spelled_only_in_the_layout_table():
+    assert spelled_tensor_names(package_sources()) == []
+
+
+def test_a_tensor_name_spelled_outside_the_layout_table_is_caught():
+    sources = {
+        "mixprec.inference.readers.load": ('def f(m):\n    return f"{m}.weight_scale_2"\n', False),
+        "mixprec.inference.producers.save": ('KEY = "input_global_scale"\n', False),
+        "mixprec.inference.runtime.linear": ('SUFFIX = ".k_scale"\nTEXT = "the k_scale tensors"\n', False),
+        LAYOUT_MODULE: ('WEIGHT_SCALE = "weight_scale"\n', False),
+    }
+    found = spelled_tensor_names(sources)
+    assert found == [
+        "mixprec.inference.producers.save:1 spells 'input_global_scale'",
+        "mixprec.inference.readers.load:2 spells '.weight_scale_2'",
+        "mixprec.inference.runtime.linear:1 spells '.k_scale'",
+    ], found
+
+
+def test_the_runtime_layers_name_their_buffers_from_the_layout_table():
+    layout = importlib.import_module(LAYOUT_MODULE)
+    linear = importlib.import_module("mixprec.inference.runtime.linear")
+    schemes = importlib.import_module("mixprec.inference.schemes")
+    torch = importlib.import_module("torch")
+    for name in ("fp8-static", "fp8-block", "nvfp4", "mxfp8"):
+        layer = linear.QuantizedLinear.from_linear(torch.nn.Linear(64, 32, bias=False), schemes.SCHEMES[name])
+        buffers = {b for b, _ in layer.named_buffers()}
+        assert buffers and buffers <= {layout.WEIGHT, *layout.TENSOR_NAMES}, (name, buffers)
+
+
 LAZY_PACKAGES = ("mixprec", "mixprec.training", "mixprec.inference")
 
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from mixprec.cli import main
-from mixprec.inference.checkpoint.layout_tables import reciprocal_f32
+from mixprec.inference.checkpoint.layout import reciprocal_f32
 from mixprec.inference.checkpoint.safetensors_io import ShardReader
 from mixprec.inference.producers.convert import convert_checkpoint
 from mixprec.inference.readers.inspection import inspect_checkpoint

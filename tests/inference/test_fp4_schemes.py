@@ -14,7 +14,7 @@ from torch import nn
 
 from mixprec.formats import unpack_nibbles
 from mixprec.hf import load_model
-from mixprec.inference.checkpoint.layouts import ct_quantization_config
+from mixprec.inference.checkpoint.configs import ct_quantization_config
 from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.producers.save import save_quantized
 from mixprec.inference.readers.load import load_quantized

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mixprec.inference.checkpoint.layouts import CONVERT_LAYOUTS
+from mixprec.inference.checkpoint.layout import CONVERT_LAYOUTS
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
 from mixprec.inference.producers.convert import convert_checkpoint
 

@@ -10,7 +10,7 @@ from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
 from mixprec.inference.calibration.observers import OBSERVERS
 from mixprec.inference.calibration.run import DEFAULT_MIN_TOKENS, DEFAULT_TOLERANCE, DEFAULT_WINDOW, StopRule
-from mixprec.inference.checkpoint.layouts import LAYOUTS
+from mixprec.inference.checkpoint.layout import LAYOUTS
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
 from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.schemes import SCHEMES

@@ -15,7 +15,7 @@ from mixprec.errors import MixprecError
 from mixprec.evaluation.inputs import ARCH_KEYS
 from mixprec.evaluation.memory import tensor_bytes_by_dtype, weight_bytes_in_memory, weight_bytes_on_disk
 from mixprec.hf import load_model, model_kind, read_config, vocab_size
-from mixprec.inference.checkpoint.layouts import parse_quantization_config
+from mixprec.inference.checkpoint.configs import parse_quantization_config
 from mixprec.inference.checkpoint.scales_file import find_scales_file
 from mixprec.inference.readers.load import load_quantized
 from mixprec.inference.runtime.online import quantize_model_

@@ -40,7 +40,7 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration.run import NEVER_STOP_EARLY, calibrate
-from mixprec.inference.checkpoint.fp4_layout import fused_global_scales, input_global_scale
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale
 from mixprec.inference.runtime.linear import quantized_linear
 from mixprec.inference.schemes import (
     SCHEMES,

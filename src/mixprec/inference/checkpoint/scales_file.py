@@ -24,6 +24,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
+from mixprec.inference.checkpoint.layout import INPUT_SCALE, K_SCALE, V_SCALE, WEIGHT_SCALE
 from mixprec.inference.schemes import InferenceScheme
 
 SCHEMA_VERSION = (
@@ -187,7 +188,7 @@ def validate_document(doc: Any, path: str = "<scales>") -> dict[str, Any]:
     for name, e in kv.items():
         if not isinstance(e, dict):
             raise _bad(path, f"kv_cache[{name!r}] must be an object")
-        for k in ("k_scale", "v_scale"):
+        for k in (K_SCALE, V_SCALE):
             if k in e:
                 _positive_finite(e[k], path, f"kv_cache[{name!r}].{k}")
     return doc
@@ -298,17 +299,17 @@ def normalize_hand_scales(scales: Any) -> dict[str, Any]:
     layers: dict[str, Any] = {}
     for name, v in scales.items():
         if isinstance(v, (int, float, torch.Tensor, list)):
-            v = {"weight_scale": v}
+            v = {WEIGHT_SCALE: v}
         if not isinstance(v, dict):
             raise MixprecError(f"scales[{name!r}] must be a number, tensor or dict, got {type(v).__name__}")
         entry: dict[str, Any] = {}
-        if "weight_scale" in v:
-            ws = torch.as_tensor(v["weight_scale"], dtype=torch.float32)
+        if WEIGHT_SCALE in v:
+            ws = torch.as_tensor(v[WEIGHT_SCALE], dtype=torch.float32)
             entry["weight"] = {"scale": ws.flatten().tolist(), "scale_shape": list(ws.shape) or [1]}
-        if "input_scale" in v:
+        if INPUT_SCALE in v:
             entry["input"] = {
                 "dynamic": False,
-                "scale": float(torch.as_tensor(v["input_scale"]).reshape(-1)[0]),
+                "scale": float(torch.as_tensor(v[INPUT_SCALE]).reshape(-1)[0]),
             }
         layers[name] = entry
     return validate_document({"schema_version": SCHEMA_VERSION, "layers": layers}, "scales=")

@@ -11,7 +11,7 @@ Face fp8, ModelOpt) where the target can hold its schemes, with the numerics kep
   correctly rounded reciprocal is within one ulp of the start); every other tensor round-trips bit
   for bit.
 
-A scheme the target cannot hold (layout_tables.holds) is a MixprecError naming the layer and why,
+A scheme the target cannot hold (layout.holds) is a MixprecError naming the layer and why,
 raised before anything is written. Tensors stream from the input shards to planned output shards
 (safetensors_io) inside an atomic output directory (mixprec.files), as `mixprec quantize` writes.
 """
@@ -26,27 +26,26 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.files import atomic_output_dir, write_json_atomic
+from mixprec.files import write_json_atomic
 from mixprec.hf import read_config
-from mixprec.inference.checkpoint.layout_tables import (
+from mixprec.inference.checkpoint.configs import LayoutConfig, ct_group_args, read_layout_config
+from mixprec.inference.checkpoint.layout import (
+    CONVERT_LAYOUTS,
     FP4_GROUP,
+    K_SCALE,
     MODELOPT_ALGOS,
-    LayoutConfig,
+    MODELOPT_CONFIG_NAME,
+    V_SCALE,
     StoredScheme,
     TensorSpec,
     attention_of_kv_scale,
-    expand_ignore,
     holds,
     kv_scale_names,
     kv_scale_shape,
-    module_names,
     module_tensors,
-    quantized_modules,
-    read_layout_config,
     reciprocal_f32,
 )
-from mixprec.inference.checkpoint.layouts import CONVERT_LAYOUTS, MODELOPT_CONFIG_NAME, ct_group_args
-from mixprec.inference.checkpoint.publish import parse_size
+from mixprec.inference.checkpoint.publish import parse_size, publish
 from mixprec.inference.checkpoint.safetensors_io import (
     PlannedShardWriter,
     PlannedTensor,
@@ -55,9 +54,8 @@ from mixprec.inference.checkpoint.safetensors_io import (
     check_output,
     copy_side_files,
     open_checkpoint,
-    plan_shards,
-    write_index,
 )
+from mixprec.inference.checkpoint.stored_modules import expand_ignore, module_names, quantized_modules
 from mixprec.progress import progress_bar
 
 CONVERT_SCHEMA_VERSION = 1  # of the summary convert_checkpoint returns (docs/schemas/inspect.md)
@@ -136,7 +134,7 @@ def convert_checkpoint(
                 f"{where}: tensor(s) {', '.join(sorted(leftover))} have no place in {m.scheme.describe()} "
                 "and would be lost"
             )
-    kv = [n for n in ckpt.tensors if n.endswith((".k_scale", ".v_scale"))]
+    kv = [n for n in ckpt.tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]
     if kv and to == "hf-fp8":
         raise MixprecError(
             f"{src} holds KV-cache scales ({kv[0]}); the Hugging Face fp8 layout has no place for them"
@@ -145,7 +143,7 @@ def convert_checkpoint(
         k_name, v_name = kv_scale_names(to, attention_of_kv_scale(n))
         info = ckpt.tensors[n]
         moves[n] = _Move(
-            info, k_name if n.endswith(".k_scale") else v_name, torch.float32, kv_scale_shape(to), "value"
+            info, k_name if n.endswith(f".{K_SCALE}") else v_name, torch.float32, kv_scale_shape(to), "value"
         )
     planned = []
     for n, info in ckpt.tensors.items():
@@ -160,34 +158,34 @@ def convert_checkpoint(
     out_cfg = {k: v for k, v in config.items() if k != "quantization_config"}
     out_cfg["quantization_config"] = qc
     copied_payload = 0
-    with atomic_output_dir(out, force) as tmp:
-        writer = PlannedShardWriter(
-            tmp, plan_shards(planned, max_bytes), {"producer": f"mixprec {__version__} (convert)"}
-        )
-        try:
-            with (
-                ShardReader() as reader,
-                progress_bar(progress, f"converting to {to}", len(planned)) as advance,
-            ):
-                buf = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
-                for n, info in ckpt.tensors.items():
-                    mv = moves.get(n)
-                    if mv is None or mv.how == "copy":
-                        name = mv.name if mv else n
-                        writer.write_chunks(name, info.dtype, info.shape, _chunks(reader, info, buf))
-                        copied_payload += info.nbytes if mv is not None else 0
-                    else:
-                        writer.write(mv.name, _transform(reader.get(info), mv))
-                    advance()
-            weight_map = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        write_index(tmp, weight_map, sum(t.nbytes for t in planned))
-        write_json_atomic(tmp / "config.json", out_cfg)
+
+    def write_tensors(writer: PlannedShardWriter) -> None:
+        nonlocal copied_payload
+        with (
+            ShardReader() as reader,
+            progress_bar(progress, f"converting to {to}", len(planned)) as advance,
+        ):
+            buf = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
+            for n, info in ckpt.tensors.items():
+                mv = moves.get(n)
+                if mv is None or mv.how == "copy":
+                    name = mv.name if mv else n
+                    writer.write_chunks(name, info.dtype, info.shape, _chunks(reader, info, buf))
+                    copied_payload += info.nbytes if mv is not None else 0
+                else:
+                    writer.write(mv.name, _transform(reader.get(info), mv))
+                advance()
+
+    def side_files(tmp: Path) -> list[str]:
         for fname, doc in extra.items():
             write_json_atomic(tmp / fname, doc)
-        copied = copy_side_files(src, tmp, skip={MODELOPT_CONFIG_NAME})
+        return copy_side_files(src, tmp, skip={MODELOPT_CONFIG_NAME})
+
+    copied = publish(
+        out, force=force, planned=planned, max_shard_size=max_bytes,
+        producer=f"mixprec {__version__} (convert)", write_tensors=write_tensors, config=lambda: out_cfg,
+        side_files=side_files,
+    )  # fmt: skip
     notes = [f"copied {', '.join(copied) or 'no side files'}"]
     if (src / "model.fp8_scales.json").exists():
         notes.append(

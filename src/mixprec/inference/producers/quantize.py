@@ -28,17 +28,16 @@ import torch
 
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
-from mixprec.files import atomic_output_dir, write_json_atomic
 from mixprec.formats import E4M3
 from mixprec.hf import load_model, load_tokenizer, read_config
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.layerwise import calibrate_layerwise
 from mixprec.inference.calibration.observers import make_observer
 from mixprec.inference.calibration.run import NothingObserved, StopRule, calibrate
-from mixprec.inference.checkpoint import layouts
-from mixprec.inference.checkpoint.fp4_layout import planned_tensors
+from mixprec.inference.checkpoint import configs, layout
+from mixprec.inference.checkpoint.layout import INPUT_SCALE, K_SCALE, V_SCALE, WEIGHT_SCALE, planned_tensors
 from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES, LinearWeights, find_linear_weights
-from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, parse_size
+from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, parse_size, publish
 from mixprec.inference.checkpoint.safetensors_io import (
     Checkpoint,
     PlannedShardWriter,
@@ -47,10 +46,8 @@ from mixprec.inference.checkpoint.safetensors_io import (
     check_output,
     copy_side_files,
     open_checkpoint,
-    plan_shards,
-    write_index,
 )
-from mixprec.inference.checkpoint.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.checkpoint.scales_file import build_document, layer_entry
 from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, MIXED, PLAIN, apply_assignment, mixed_assignment
 from mixprec.inference.producers.quantize_blocks import quantize_block_task, weight_global_scales
 from mixprec.inference.runtime.experts import unfuse_for_calibration
@@ -132,8 +129,8 @@ def quantize_checkpoint(
 
     mixed = mixed_assignment(scheme)
     sch = InferenceScheme.from_name(scheme) if mixed is None else MIXED
-    if format not in layouts.LAYOUTS:
-        raise MixprecError(f"unknown checkpoint format {format!r}; known: {', '.join(layouts.LAYOUTS)}")
+    if format not in layout.LAYOUTS:
+        raise MixprecError(f"unknown checkpoint format {format!r}; known: {', '.join(layout.LAYOUTS)}")
     if kv_cache not in (None, "fp8", "fp8_e4m3", "e4m3"):
         raise MixprecError(f"--kv-cache takes 'fp8', got {kv_cache!r}")
     if format == "hf-fp8":
@@ -141,7 +138,7 @@ def quantize_checkpoint(
             raise MixprecError(
                 "a mixed-precision checkpoint is written in the compressed-tensors layout only"
             )
-        layouts.hf_fp8_quantization_config(sch, [])  # refuses non-block schemes
+        configs.hf_fp8_quantization_config(sch, [])  # refuses non-block schemes
         if kv_cache:
             raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
     model_dir, output_dir = Path(model_dir), Path(output_dir)
@@ -244,24 +241,24 @@ def quantize_checkpoint(
         gc.collect()
 
     # ---- plan every output tensor --------------------------------------------------------------
-    names = layouts.tensor_names(format)
+    names = layout.tensor_names(format)
     planned: list[PlannedTensor] = []
     for n, info in ckpt.tensors.items():
         module = n[: -len(".weight")] if n.endswith(".weight") else None
-        if module in targets and not schemes[module].is_fp8:  # NVFP4 / MX: fp4_layout's tensors
+        if module in targets and not schemes[module].is_fp8:  # NVFP4 / MX: the layout table's tensors
             planned += [PlannedTensor(*t) for t in planned_tensors(module, targets[module], schemes[module])]
         elif module in targets:
             out_f, in_f = targets[module]
             planned.append(PlannedTensor(n, torch.float8_e4m3fn, info.shape))
             planned.append(
                 PlannedTensor(
-                    f"{module}.{names['weight_scale']}",
+                    f"{module}.{names[WEIGHT_SCALE]}",
                     torch.float32,
                     schemes[module].scale_shape(out_f, in_f),
                 )
             )
             if schemes[module].needs_calibration:
-                planned.append(PlannedTensor(f"{module}.{names['input_scale']}", torch.float32, (1,)))
+                planned.append(PlannedTensor(f"{module}.{names[INPUT_SCALE]}", torch.float32, (1,)))
         else:
             planned.append(PlannedTensor(n, info.dtype, info.shape))
     kv_tensors: dict[str, torch.Tensor] = {}
@@ -269,58 +266,58 @@ def quantize_checkpoint(
     for i, (ka, va) in kv_amax.items():
         attn = kv_names[i]
         ks, vs = compute_scale(ka, E4M3).reshape(1), compute_scale(va, E4M3).reshape(1)
-        kv_tensors[f"{attn}.k_scale"], kv_tensors[f"{attn}.v_scale"] = ks, vs
-        kv_doc[attn] = {"k_scale": float(ks), "v_scale": float(vs), "k_amax": ka, "v_amax": va}
+        kv_tensors[f"{attn}.{K_SCALE}"], kv_tensors[f"{attn}.{V_SCALE}"] = ks, vs
+        kv_doc[attn] = {K_SCALE: float(ks), V_SCALE: float(vs), "k_amax": ka, "v_amax": va}
     planned += [PlannedTensor(n, torch.float32, (1,)) for n in kv_tensors]
 
     layers: dict[str, dict[str, Any]] = {}
     total = sum(t.nbytes for t in planned)
-    with atomic_output_dir(output_dir, force) as tmp:
-        writer = PlannedShardWriter(
-            tmp, plan_shards(planned, max_bytes), {"producer": f"mixprec {__version__}"}
-        )
-        try:
-            _stream_tensors(
-                ckpt, writer, targets, schemes, names, input_amax, layers, report, progress,
-                weight_global_scales(ckpt, targets, schemes),
-            )  # fmt: skip
-            for n, t in kv_tensors.items():
-                writer.write(n, t)
-            weight_map = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        write_index(tmp, weight_map, total)
-        report.weight_bytes_after = total
-        ignored_linears = sorted(skipped)
-        for name, (kind, why) in kept.items():
-            info = ckpt.tensors.get(name) or ckpt.tensors.get(f"{name}.weight")
-            numel = info.nbytes // info.dtype.itemsize if info is not None else 0
-            role = {"Linear": "linear", "experts": "experts"}.get(
-                kind, "embedding" if name in lw.embeddings else "other"
-            )
-            report.add_skipped(name, kind, numel, why, role=role)
+    ignored_linears = sorted(skipped)
+
+    def write_tensors(writer: PlannedShardWriter) -> None:
+        _stream_tensors(
+            ckpt, writer, targets, schemes, names, input_amax, layers, report, progress,
+            weight_global_scales(ckpt, targets, schemes),
+        )  # fmt: skip
+        for n, t in kv_tensors.items():
+            writer.write(n, t)
+
+    def out_config() -> dict[str, Any]:
         out_cfg = dict(config)
         if mixed is not None:
-            out_cfg["quantization_config"] = layouts.ct_mixed_quantization_config(
+            out_cfg["quantization_config"] = configs.ct_mixed_quantization_config(
                 {n: schemes[n] for n in targets}, ignored_linears, bool(kv_cache)
             )
         elif format == "compressed-tensors":
-            out_cfg["quantization_config"] = layouts.ct_quantization_config(
+            out_cfg["quantization_config"] = configs.ct_quantization_config(
                 sch, ignored_linears, bool(kv_cache)
             )
         else:
-            out_cfg["quantization_config"] = layouts.hf_fp8_quantization_config(sch, ignored_linears)
-        write_json_atomic(tmp / "config.json", out_cfg)
-        copied = copy_side_files(model_dir, tmp, skip=set())
-        report.notes.append(f"copied {', '.join(copied) or 'no side files'}")
-        doc = build_document(
+            out_cfg["quantization_config"] = configs.hf_fp8_quantization_config(sch, ignored_linears)
+        return out_cfg
+
+    def scales() -> dict[str, Any]:
+        return build_document(
             # block-format layers stay out: their scales are in the checkpoint, millions of them
             scheme=sch.name, layout=format, layers={n: e for n, e in layers.items() if schemes[n].is_fp8},
             kv_cache=kv_doc, ignored=skipped,
             calibration=calibration_info, producer=f"mixprec {__version__}",
         )  # fmt: skip
-        write_scales_file(tmp / "model.fp8_scales.json", doc)
+
+    copied = publish(
+        output_dir, force=force, planned=planned, max_shard_size=max_bytes, producer=f"mixprec {__version__}",
+        write_tensors=write_tensors, config=out_config, side_files=lambda tmp: copy_side_files(model_dir, tmp, skip=set()),
+        scales=scales,
+    )  # fmt: skip
+    report.weight_bytes_after = total
+    for name, (kind, why) in kept.items():
+        info = ckpt.tensors.get(name) or ckpt.tensors.get(f"{name}.weight")
+        numel = info.nbytes // info.dtype.itemsize if info is not None else 0
+        role = {"Linear": "linear", "experts": "experts"}.get(
+            kind, "embedding" if name in lw.embeddings else "other"
+        )
+        report.add_skipped(name, kind, numel, why, role=role)
+    report.notes.append(f"copied {', '.join(copied) or 'no side files'}")
     return report
 
 
@@ -535,12 +532,12 @@ def _quantize_task(
         in_pool.release(buf)
     out = [
         (info.name, q.data),
-        (f"{module}.{names['weight_scale']}", q.scale.reshape(sch.scale_shape(*shape))),
+        (f"{module}.{names[WEIGHT_SCALE]}", q.scale.reshape(sch.scale_shape(*shape))),
     ]
     in_scale = None
     if sch.needs_calibration:
         in_scale = compute_scale(in_amax, E4M3).reshape(1)
-        out.append((f"{module}.{names['input_scale']}", in_scale))
+        out.append((f"{module}.{names[INPUT_SCALE]}", in_scale))
     entry = layer_entry(
         scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
         weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),

@@ -1,6 +1,6 @@
 """The block formats (NVFP4, MXFP4, MXFP8) in offline streaming quantization (producers/quantize.py calls these).
 
-NVFP4's weight global scales are per fused GEMM (fp4_layout.fused_global_scales): before streaming, one
+NVFP4's weight global scales are per fused GEMM (block_tensors.fused_global_scales): before streaming, one
 read-only pass takes the amax of every NVFP4 target weight (a few weights in memory at a time, the
 same buffer reused), so each shard of q/k/v or gate/up is then quantized on its own, in plan order,
 with the shared global scale. Calibration-free schemes (nvfp4a16, mxfp4a16, mxfp4, mxfp8) never build
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mixprec.inference.checkpoint.fp4_layout import fused_global_scales, input_global_scale, layer_tensors
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale, layer_tensors
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.inference.checkpoint.scales_file import compact_entry
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight

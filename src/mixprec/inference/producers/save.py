@@ -19,15 +19,15 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
-from mixprec.inference.checkpoint import layouts
+from mixprec.files import check_new_output
+from mixprec.inference.checkpoint import configs, layout
+from mixprec.inference.checkpoint.layout import INPUT_SCALE, K_SCALE, V_SCALE, WEIGHT_SCALE
+from mixprec.inference.checkpoint.publish import publish
 from mixprec.inference.checkpoint.safetensors_io import (
     PlannedShardWriter,
     PlannedTensor,
-    plan_shards,
-    write_index,
 )
-from mixprec.inference.checkpoint.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.checkpoint.scales_file import build_document, layer_entry
 from mixprec.inference.mixed import MIXED, check_groups_whole
 from mixprec.inference.runtime.experts import UnfusedExperts
 from mixprec.inference.runtime.linear import BlockQuantizedLinear, QuantizedLinear
@@ -91,7 +91,7 @@ def save_quantized(
     from mixprec import __version__
 
     out = Path(output_dir)
-    names = layouts.tensor_names(format)  # refuses an unknown format
+    names = layout.tensor_names(format)  # refuses an unknown format
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         raise MixprecError(
@@ -118,12 +118,12 @@ def save_quantized(
     if mixed:
         _check_mixed(schemes, format)
     if format == "hf-fp8":
-        layouts.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
+        configs.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
     check_new_output(out, force, flag="force=True")
     ignored = sorted(
         n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
     )
-    kv_cache = any(n.endswith((".k_scale", ".v_scale")) for n, _ in model.named_buffers())
+    kv_cache = any(n.endswith((f".{K_SCALE}", f".{V_SCALE}")) for n, _ in model.named_buffers())
     if format == "hf-fp8" and kv_cache:
         raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
 
@@ -140,12 +140,12 @@ def save_quantized(
             seen.add(ident)
         module, _, leaf = key.rpartition(".")
         m = quantized.get(module)
-        if m is not None and leaf == "weight_scale":
-            tensors[f"{module}.{names['weight_scale']}"] = t.reshape(
+        if m is not None and leaf == WEIGHT_SCALE:
+            tensors[f"{module}.{names[WEIGHT_SCALE]}"] = t.reshape(
                 schemes[module].scale_shape(m.out_features, m.in_features)
             )
-        elif m is not None and leaf == "input_scale":
-            tensors[f"{module}.{names['input_scale']}"] = t.reshape(1)
+        elif m is not None and leaf == INPUT_SCALE:
+            tensors[f"{module}.{names[INPUT_SCALE]}"] = t.reshape(1)
         else:
             tensors[key] = t
 
@@ -182,38 +182,36 @@ def save_quantized(
         out_cfg["dtype"] = dtype
         out_cfg.pop("torch_dtype", None)
     if mixed:
-        out_cfg["quantization_config"] = layouts.ct_mixed_quantization_config(schemes, ignored, kv_cache)
+        out_cfg["quantization_config"] = configs.ct_mixed_quantization_config(schemes, ignored, kv_cache)
     elif format == "compressed-tensors":
-        out_cfg["quantization_config"] = layouts.ct_quantization_config(scheme, ignored, kv_cache)
+        out_cfg["quantization_config"] = configs.ct_quantization_config(scheme, ignored, kv_cache)
     else:
-        out_cfg["quantization_config"] = layouts.hf_fp8_quantization_config(scheme, ignored)
+        out_cfg["quantization_config"] = configs.hf_fp8_quantization_config(scheme, ignored)
     kv_doc = {
-        owner: {k: float(m.get_buffer(k).reshape(-1)[0]) for k in ("k_scale", "v_scale") if hasattr(m, k)}
+        owner: {k: float(m.get_buffer(k).reshape(-1)[0]) for k in (K_SCALE, V_SCALE) if hasattr(m, k)}
         for owner, m in model.named_modules()
-        if isinstance(getattr(m, "k_scale", None), torch.Tensor)
+        if isinstance(getattr(m, K_SCALE, None), torch.Tensor)
     }
 
-    with atomic_output_dir(out, force) as tmp:
-        writer = PlannedShardWriter(
-            tmp, plan_shards(planned, max_shard_size), {"producer": f"mixprec {__version__}"}
-        )
-        try:
-            for k, t in tensors.items():
-                writer.write(k, t)
-            weight_map = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        write_index(tmp, weight_map, sum(p.nbytes for p in planned))
-        write_json_atomic(tmp / "config.json", out_cfg)
+    def write_tensors(writer: PlannedShardWriter) -> None:
+        for k, t in tensors.items():
+            writer.write(k, t)
+
+    def side_files(tmp: Path) -> None:
         generation = getattr(model, "generation_config", None)
         if generation is not None and hasattr(generation, "save_pretrained"):
             generation.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        doc = build_document(
+
+    def scales() -> dict[str, Any]:
+        return build_document(
             scheme=scheme.name, layout=format, layers=layers, kv_cache=kv_doc, ignored=not_quantized,
             calibration=getattr(report, "calibration", None), producer=f"mixprec {__version__} (save_quantized)",
         )  # fmt: skip
-        write_scales_file(tmp / "model.fp8_scales.json", doc)
+
+    publish(
+        out, force=force, planned=planned, max_shard_size=max_shard_size, producer=f"mixprec {__version__}",
+        write_tensors=write_tensors, config=lambda: out_cfg, side_files=side_files, scales=scales,
+    )  # fmt: skip
     return out

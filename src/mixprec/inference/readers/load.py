@@ -26,13 +26,19 @@ from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.hf import build_model, config_dtype, read_config
-from mixprec.inference.checkpoint.fp4_layout import read_layer
-from mixprec.inference.checkpoint.layout_tables import attention_of_kv_scale
-from mixprec.inference.checkpoint.layouts import (
+from mixprec.inference.checkpoint.block_tensors import read_layer
+from mixprec.inference.checkpoint.configs import (
     LayoutSpec,
     ModuleLayout,
     parse_quantization_config,
     read_quantization_config,
+)
+from mixprec.inference.checkpoint.layout import (
+    INPUT_SCALE,
+    K_SCALE,
+    V_SCALE,
+    WEIGHT_SCALE,
+    attention_of_kv_scale,
 )
 from mixprec.inference.checkpoint.linear_weights import conversion_transforms, rename_key
 from mixprec.inference.checkpoint.safetensors_io import ShardReader, open_checkpoint
@@ -87,7 +93,7 @@ def _spec_from_scales(doc: dict[str, Any], where: str) -> LayoutSpec:
         sch = InferenceScheme.from_name(doc.get("scheme", "fp8-dynamic"))
     except MixprecError as e:
         raise MixprecError(f"malformed scales file {where}: 'scheme': {e}") from None
-    ml = ModuleLayout(sch.weight_granularity, sch.input_granularity, sch.input_dynamic, "weight_scale")
+    ml = ModuleLayout(sch.weight_granularity, sch.input_granularity, sch.input_dynamic, WEIGHT_SCALE)
     names = tuple(doc["layers"])
     return LayoutSpec("scales-file", ((names, ml),), (), False)
 
@@ -195,7 +201,7 @@ def load_quantized(
         name = ckpt_module.get(path, path)
         ml = spec.module_layout(name, type(mod).__name__)
         w_name = f"{name}.weight"
-        if ml is not None and ml.block_scheme is not None:  # NVFP4 / MXFP4 / MXFP8 (fp4_layout)
+        if ml is not None and ml.block_scheme is not None:  # NVFP4 / MXFP4 / MXFP8 (block_tensors)
             _load_block_linear(model, path, mod, name, ml, tensors, spec, dtype, report, root)
             continue
         if ml is None or w_name not in tensors:
@@ -242,7 +248,7 @@ def load_quantized(
         else:
             raise MixprecError(f"{root}: {w_name} has dtype {w.dtype}, not FP8 E4M3 or a float type")
         in_scale = None
-        stored_in = tensors.pop(f"{name}.input_scale", None)
+        stored_in = tensors.pop(f"{name}.{INPUT_SCALE}", None)
         if not ml.input_dynamic:
             if name in hand_layers and input_scale_tensor(hand_layers[name]) is not None:
                 in_scale = input_scale_tensor(hand_layers[name])
@@ -277,7 +283,7 @@ def load_quantized(
     # KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache. mixprec's
     # forward does not round keys and values: a plain E4M3 round trip did not match vLLM's CPU cache
     # (docs/serving.md), and nothing is emulated that does not match an engine.
-    for name in [n for n in tensors if n.endswith((".k_scale", ".v_scale"))]:
+    for name in [n for n in tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]:
         # on the attention module in every layout (ModelOpt stores them under k_proj / v_proj)
         owner, attr = attention_of_kv_scale(name), name.rpartition(".")[2]
         try:

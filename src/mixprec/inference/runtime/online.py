@@ -18,7 +18,7 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.run import StopRule, calibrate
-from mixprec.inference.checkpoint.fp4_layout import fused_global_scales, input_global_scale
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale
 from mixprec.inference.checkpoint.scales_file import compact_entry, layer_entry
 from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
