@@ -18,7 +18,7 @@ from mixprec.hf import load_model, model_kind, read_config, vocab_size
 from mixprec.inference.checkpoint.configs import parse_quantization_config
 from mixprec.inference.checkpoint.scales_file import find_scales_file
 from mixprec.inference.readers.load import load_quantized
-from mixprec.inference.runtime.online import quantize_model_
+from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.kernels.hardware import detect
 from mixprec.training import bf16_cpu
 
@@ -112,7 +112,7 @@ def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Ten
     if scheme == "bf16":
         model = model.to(torch.bfloat16)  # the CPU compute hooks are installed by install_low_precision_hooks
     else:
-        report = quantize_model_(model, scheme, calib_data=calib_batches)
+        report = apply_scheme_(model, scheme, calib_data=calib_batches)
         info["quantization_report"] = _summarize_report(report)
     model.eval()
     return Side(model, f"online:{scheme} of {reference.source}", reference.kind, scheme=scheme, info=info)

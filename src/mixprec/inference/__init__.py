@@ -1,8 +1,9 @@
-"""FP8 inference: offline checkpoint quantization (streaming), calibration, the scales file, online
-quantization of a loaded model, and loading FP8 checkpoints (mixprec, llm-compressor, Hugging Face fp8).
+"""FP8 and FP4 inference: offline checkpoint quantization (streaming), calibration, the scales file,
+online quantization of a loaded model, and loading quantized checkpoints (mixprec, llm-compressor,
+Hugging Face fp8, ModelOpt). The wing's rooms: docs/architecture.md.
 
     mixprec.quantize_checkpoint(model_dir, out_dir, scheme="fp8-dynamic")   # `mixprec quantize`
-    model = mixprec.load_quantized(out_dir)                                  # Linears run in FP8
+    model = mixprec.load_quantized(out_dir)                                  # Linears run in FP8/FP4
     report = mixprec.quantize_model_(model, scheme="fp8-dynamic")            # online, in place
     mixprec.save_quantized(model, out_dir)                                   # the layout quantize writes
 
@@ -16,7 +17,6 @@ from typing import Any
 
 _EXPORTS = {
     "load_quantized": "mixprec.inference.readers.load:load_quantized",
-    "quantize_model_": "mixprec.inference.runtime.online:quantize_model_",
     "quantize_checkpoint": "mixprec.inference.producers.quantize:quantize_checkpoint",
     "save_quantized": "mixprec.inference.producers.save:save_quantized",
     "InferenceScheme": "mixprec.inference.schemes:InferenceScheme",

@@ -39,7 +39,7 @@ from mixprec.hf import config_dtype, load_model, load_tokenizer, read_config
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
 from mixprec.inference.producers.quantize import quantize_checkpoint
-from mixprec.inference.runtime.online import quantize_model_ as quantize_one_scheme
+from mixprec.inference.runtime.online import apply_scheme_ as quantize_one_scheme
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.progress import ProgressBars
 from mixprec.select import REGEX_PREFIX

@@ -105,7 +105,8 @@ def quantize_checkpoint(
     progress: bool = True,
     strict: bool = False,
 ) -> ConversionReport:
-    """Quantize a local Hugging Face safetensors checkpoint to FP8; write it to output_dir atomically.
+    """Quantize a local Hugging Face safetensors checkpoint to FP8 or FP4 (the scheme's format); write
+    it to output_dir atomically.
 
     Only what the serving engines accept is written (schemes.serving_reasons): a Linear whose dims no
     FP8 kernel takes, or a fused group (q/k/v, gate/up, experts) that vLLM would refuse, stays in high
@@ -155,7 +156,7 @@ def quantize_checkpoint(
         texts = load_texts(calib_data)
 
     report = ConversionReport(
-        recipe=sch.name, kind="fp8", device="cpu", param_dtype=str(config.get("dtype") or config.get("torch_dtype")),
+        recipe=sch.name, kind=sch.family, device="cpu", param_dtype=str(config.get("dtype") or config.get("torch_dtype")),
         scheme=sch.name, output=str(output_dir),
     )  # fmt: skip
     patterns = resolve_ignore(ignore, defaults=default_ignore)
@@ -453,7 +454,14 @@ def _stream_tensors(
                         writer.write(name, tensor)
                     out_pool.release(payload)
                     layers[module] = entry
-                    report.add_fp8(module, "Linear", info.nbytes // info.dtype.itemsize, entry, "fp8")
+                    report.add_quantized_linear(
+                        module,
+                        "Linear",
+                        info.nbytes // info.dtype.itemsize,
+                        entry,
+                        schemes[module].family,
+                        schemes[module].family,
+                    )
                     while in_flight < depth and submit():
                         pass
                 report.weight_bytes_before += info.nbytes

@@ -1,4 +1,4 @@
-"""save_quantized: a model whose Linears run in FP8 (from `load_quantized` or `quantize_model_`) ->
+"""save_quantized: a model whose Linears run in FP8 or FP4 (from `load_quantized` or `quantize_model_`) ->
 the checkpoint directory `mixprec quantize` writes, with the same writer.
 
 The payloads and scales are written as the model holds them, bit for bit (casting a quantized model
@@ -107,7 +107,7 @@ def save_quantized(
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not quantized:
         raise MixprecError(
-            f"{type(model).__name__} has no FP8 Linear layers: quantize it with mixprec.quantize_model_ "
+            f"{type(model).__name__} has no quantized Linear layers: quantize it with mixprec.quantize_model_ "
             "first, or save it with save_pretrained"
         )
     schemes = {n: _scheme_of(n, m) for n, m in quantized.items()}

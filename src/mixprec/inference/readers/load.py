@@ -1,4 +1,4 @@
-"""load_quantized: an FP8 checkpoint directory -> a model whose Linears run in FP8 (eval mode).
+"""load_quantized: a quantized checkpoint directory -> a model whose Linears run in FP8 or FP4 (eval mode).
 
 Reads the layouts of mixprec, llm-compressor (compressed-tensors, float-quantized) and Hugging Face
 `quant_method: "fp8"`. The model skeleton is built from config.json with its parameters on the meta
@@ -85,7 +85,7 @@ def _load_block_linear(model, path, mod, name, ml, tensors, spec, dtype, report,
     replace_submodule(model, path, new)
     entry = compact_entry(q, sch, None, shape, input_global if sch.input_global else None, None)
     entry["weight"]["scale_source"] = "checkpoint"
-    report.add_fp8(name, "Linear", q.data.numel(), entry, type(new).__name__)
+    report.add_quantized_linear(name, "Linear", q.data.numel(), entry, type(new).__name__, sch.family)
 
 
 def _spec_from_scales(doc: dict[str, Any], where: str) -> LayoutSpec:
@@ -277,7 +277,7 @@ def load_quantized(
             input_dynamic=in_scale is None, input_granularity=new.input_granularity.name,
         )  # fmt: skip
         entry["weight"]["scale_source"] = source or "recomputed"
-        report.add_fp8(name, "Linear", w.numel(), entry, "QuantizedLinear")
+        report.add_quantized_linear(name, "Linear", w.numel(), entry, "QuantizedLinear", "fp8")
 
     tensors = {renamed.get(k, k): t for k, t in tensors.items()}
     # KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache. mixprec's

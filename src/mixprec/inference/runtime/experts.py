@@ -1,4 +1,4 @@
-"""MoE experts, one Linear per expert: what lets fused transformers experts be calibrated and run in FP8.
+"""MoE experts, one Linear per expert: what lets fused transformers experts be calibrated and run in FP8 or FP4.
 
 transformers 5 holds a layer's experts as fused 3-D parameters (`gate_up_proj` [experts, 2*inter,
 hidden], `down_proj` [experts, hidden, inter]) behind the `use_experts_implementation` contract;

@@ -1,4 +1,4 @@
-"""Online quantization: turn the Linears of a loaded model into FP8 inference Linears, in place.
+"""Online quantization: turn the Linears of a loaded model into FP8 or FP4 (NVFP4, MX) inference Linears, in place.
 
 No model code changes: modules are swapped on their parents. The high-precision weights are dropped
 (the FP8 payload and scales replace them), so memory really falls.
@@ -63,7 +63,7 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def quantize_model_(
+def apply_scheme_(
     model: nn.Module,
     scheme: str | InferenceScheme = "fp8-dynamic",
     ignore: Sequence[str] | None = None,
@@ -77,7 +77,9 @@ def quantize_model_(
     default_ignore: bool = True,
     stop: StopRule | None = None,
 ) -> ConversionReport:
-    """Quantize `model`'s Linears to FP8 in place and return a ConversionReport.
+    """Quantize `model`'s Linears in place to `scheme` (FP8, or an FP4/MX block format) and return a
+    ConversionReport. The package root's `mixprec.quantize_model_` is the public entry (it also takes
+    scheme "auto"); this is the inference wing's, for one scheme.
 
     scheme: "fp8-dynamic" | "fp8-static" | "fp8-block". ignore: extra module-name patterns kept in
     high precision (added to the defaults: lm_head, embeddings, norms, MoE routers). calib_data
@@ -94,7 +96,7 @@ def quantize_model_(
     layers_in = (scales or {}).get("layers", {})
     param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     report = ConversionReport(
-        recipe=sch.name, kind="fp8", device=str(next((p.device for p in model.parameters()), "cpu")),
+        recipe=sch.name, kind=sch.family, device=str(next((p.device for p in model.parameters()), "cpu")),
         param_dtype=str(param_dtype).replace("torch.", ""), scheme=sch.name,
     )  # fmt: skip
     report.weight_bytes_before = weight_bytes(model)
@@ -162,7 +164,9 @@ def quantize_model_(
             input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
             input_granularity=sch.input_granularity.name,
         ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
-        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__)
+        report.add_quantized_linear(
+            name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__, sch.family
+        )
         del lin
     for name, why in skipped.items():
         m = modules[name]

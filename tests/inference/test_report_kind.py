@@ -1,0 +1,37 @@
+"""Inference reports say the real kind: the family of each quantized layer's scheme ("fp8:" / "fp4:"
+in its precision), and for the report "fp8", "fp4", or "mixed" when a checkpoint holds both."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from mixprec.conversion import SCHEMA_VERSION, ConversionReport
+from mixprec.inference.runtime.online import apply_scheme_
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kind"), [("fp8-dynamic", "fp8"), ("mxfp8", "fp8"), ("nvfp4a16", "fp4"), ("mxfp4a16", "fp4")]
+)
+def test_an_online_report_says_the_schemes_family(scheme, kind):
+    report = apply_scheme_(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64)), scheme)
+    doc = report.to_dict()
+    assert doc["schema_version"] == SCHEMA_VERSION == 4
+    assert doc["kind"] == kind and report.reported_kind == kind
+    assert report["0"].precision == f"{kind}:{scheme}" and report.converted == ["0", "2"]
+
+
+def test_a_report_of_both_families_is_mixed_and_says_each_layers_kind():
+    report = ConversionReport(recipe="auto", kind="fp8", device="cpu", param_dtype="bfloat16", scheme="auto")
+    assert report.reported_kind == "fp8"  # nothing quantized yet: the kind it was built with
+    report.add_quantized_linear("a", "Linear", 16, {}, "QuantizedLinear", "fp8")
+    report.add_quantized_linear("b", "Linear", 16, {}, "BlockQuantizedLinear", "fp4")
+    assert report.to_dict()["kind"] == "mixed"
+    assert [report[n].precision for n in "ab"] == ["fp8:auto", "fp4:auto"]
+    with pytest.raises(ValueError, match="bf16"):
+        report.add_quantized_linear("c", "Linear", 16, {}, "Linear", "bf16")
+
+
+def test_a_training_report_keeps_its_recipes_kind():
+    report = ConversionReport(recipe="bf16", kind="bf16-amp", device="cpu", param_dtype="float32")
+    assert report.to_dict()["kind"] == "bf16-amp"
