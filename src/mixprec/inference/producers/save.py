@@ -92,33 +92,7 @@ def save_quantized(
 
     out = Path(output_dir)
     names = layout.tensor_names(format)  # refuses an unknown format
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
-        raise MixprecError(
-            f"save_quantized writes Hugging Face checkpoints; {type(model).__name__} has no config "
-            "(save a plain module's state_dict() with safetensors instead)"
-        )
-    unfused = [n for n, m in model.named_modules() if isinstance(m, UnfusedExperts)]
-    if unfused:
-        raise MixprecError(
-            f"save_quantized does not write per-expert MoE Linears yet ({unfused[0]}); "
-            "quantize the original checkpoint with `mixprec quantize` instead"
-        )
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    if not quantized:
-        raise MixprecError(
-            f"{type(model).__name__} has no quantized Linear layers: quantize it with mixprec.quantize_model_ "
-            "first, or save it with save_pretrained"
-        )
-    schemes = {n: _scheme_of(n, m) for n, m in quantized.items()}
-    # several schemes (quantize_model_(model, "auto") or a {Linear: scheme} mapping): one
-    # compressed-tensors config group per scheme, as quantize_checkpoint writes it
-    mixed = len(set(schemes.values())) > 1
-    scheme = MIXED if mixed else next(iter(schemes.values()))
-    if mixed:
-        _check_mixed(schemes, format)
-    if format == "hf-fp8":
-        configs.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
+    quantized, schemes, scheme = _savable(model, format)
     check_new_output(out, force, flag="force=True")
     ignored = sorted(
         n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
@@ -126,67 +100,15 @@ def save_quantized(
     kv_cache = any(n.endswith((f".{K_SCALE}", f".{V_SCALE}")) for n, _ in model.named_buffers())
     if format == "hf-fp8" and kv_cache:
         raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
-
-    # every tensor once (tied weights share storage: the first name keeps it, as save_pretrained does)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
-    for key, t in model.state_dict().items():
-        if t.device.type == "meta":
-            raise MixprecError(f"{key} is on the meta device: nothing to write")
-        ident = (t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else None
-        if ident is not None and ident in seen:
-            continue
-        if ident is not None:
-            seen.add(ident)
-        module, _, leaf = key.rpartition(".")
-        m = quantized.get(module)
-        if m is not None and leaf == WEIGHT_SCALE:
-            tensors[f"{module}.{names[WEIGHT_SCALE]}"] = t.reshape(
-                schemes[module].scale_shape(m.out_features, m.in_features)
-            )
-        elif m is not None and leaf == INPUT_SCALE:
-            tensors[f"{module}.{names[INPUT_SCALE]}"] = t.reshape(1)
-        else:
-            tensors[key] = t
-
+    tensors = _state_tensors(model, quantized, schemes, names)
     report = getattr(model, "mixprec_report", None)
-    known = getattr(report, "layers", None) or {}
-    layers: dict[str, dict[str, Any]] = {}
-    for n, m in quantized.items():
-        if isinstance(m, BlockQuantizedLinear):  # its block scales live in the checkpoint (millions)
-            continue
-        before = known.get(n, {})
-        q = m.quantized_weight()
-        entry = layer_entry(
-            scheme=schemes[n].name, weight_granularity=m.weight_granularity.name, weight_scale=m.weight_scale.cpu(),
-            weight_amax=float(q.dequantize(torch.float32).abs().max()),
-            relative_weight_error=(before.get("weight") or {}).get("relative_error"),
-            shape=(m.out_features, m.in_features), input_scale=None if m.input_scale is None else m.input_scale.cpu(),
-            input_amax=(before.get("input") or {}).get("amax"), input_dynamic=m.input_scale is None,
-            input_granularity=m.input_granularity.name,
-        )  # fmt: skip
-        layers[n] = entry
+    layers = _layer_entries(quantized, schemes, getattr(report, "layers", None) or {})
     not_quantized = {n: "not quantized in the model" for n in ignored}
     for e in getattr(report, "entries", []):
         if e.name in not_quantized and e.precision.startswith("skipped"):
             not_quantized[e.name] = e.reason
-
     planned = [PlannedTensor(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    out_cfg = json.loads(config.to_json_string(use_diff=True))
-    out_cfg.pop("quantization_config", None)
-    out_cfg["architectures"] = [
-        type(model).__name__
-    ]  # as save_pretrained records it: loaders build this class
-    dtype = _output_dtype_name(model)
-    if dtype is not None:
-        out_cfg["dtype"] = dtype
-        out_cfg.pop("torch_dtype", None)
-    if mixed:
-        out_cfg["quantization_config"] = configs.ct_mixed_quantization_config(schemes, ignored, kv_cache)
-    elif format == "compressed-tensors":
-        out_cfg["quantization_config"] = configs.ct_quantization_config(scheme, ignored, kv_cache)
-    else:
-        out_cfg["quantization_config"] = configs.hf_fp8_quantization_config(scheme, ignored)
+    out_cfg = _output_config(model, format, scheme, schemes, ignored, kv_cache)
     kv_doc = {
         owner: {k: float(m.get_buffer(k).reshape(-1)[0]) for k in (K_SCALE, V_SCALE) if hasattr(m, k)}
         for owner, m in model.named_modules()
@@ -215,3 +137,105 @@ def save_quantized(
         write_tensors=write_tensors, config=lambda: out_cfg, side_files=side_files, scales=scales,
     )  # fmt: skip
     return out
+
+
+def _savable(model: nn.Module, format: str) -> tuple[dict[str, QuantizedLinear], dict[str, InferenceScheme], InferenceScheme]:  # fmt: skip
+    """({name: quantized Linear}, {name: its scheme}, the checkpoint's scheme: MIXED when several),
+    MixprecError when the model cannot be saved in `format`."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        raise MixprecError(
+            f"save_quantized writes Hugging Face checkpoints; {type(model).__name__} has no config "
+            "(save a plain module's state_dict() with safetensors instead)"
+        )
+    unfused = [n for n, m in model.named_modules() if isinstance(m, UnfusedExperts)]
+    if unfused:
+        raise MixprecError(
+            f"save_quantized does not write per-expert MoE Linears yet ({unfused[0]}); "
+            "quantize the original checkpoint with `mixprec quantize` instead"
+        )
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not quantized:
+        raise MixprecError(
+            f"{type(model).__name__} has no quantized Linear layers: quantize it with mixprec.quantize_model_ "
+            "first, or save it with save_pretrained"
+        )
+    schemes = {n: _scheme_of(n, m) for n, m in quantized.items()}
+    # several schemes (quantize_model_(model, "auto") or a {Linear: scheme} mapping): one
+    # compressed-tensors config group per scheme, as quantize_checkpoint writes it
+    mixed = len(set(schemes.values())) > 1
+    scheme = MIXED if mixed else next(iter(schemes.values()))
+    if mixed:
+        _check_mixed(schemes, format)
+    if format == "hf-fp8":
+        configs.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
+    return quantized, schemes, scheme
+
+
+def _state_tensors(model: nn.Module, quantized: dict[str, QuantizedLinear], schemes: dict[str, InferenceScheme],
+                   names: dict[str, str]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every tensor of the state dict once (tied weights share storage: the first name keeps it, as
+    save_pretrained does), scales named and shaped as the layout stores them."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
+    for key, t in model.state_dict().items():
+        if t.device.type == "meta":
+            raise MixprecError(f"{key} is on the meta device: nothing to write")
+        ident = (t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else None
+        if ident is not None and ident in seen:
+            continue
+        if ident is not None:
+            seen.add(ident)
+        module, _, leaf = key.rpartition(".")
+        m = quantized.get(module)
+        if m is not None and leaf == WEIGHT_SCALE:
+            tensors[f"{module}.{names[WEIGHT_SCALE]}"] = t.reshape(
+                schemes[module].scale_shape(m.out_features, m.in_features)
+            )
+        elif m is not None and leaf == INPUT_SCALE:
+            tensors[f"{module}.{names[INPUT_SCALE]}"] = t.reshape(1)
+        else:
+            tensors[key] = t
+    return tensors
+
+
+def _layer_entries(quantized: dict[str, QuantizedLinear], schemes: dict[str, InferenceScheme],
+                   known: dict[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The scales-file entry of each FP8 Linear (`known`: the model's report's, for what the model no
+    longer knows: relative error, input amax); block-format scales live in the checkpoint (millions)."""
+    layers: dict[str, dict[str, Any]] = {}
+    for n, m in quantized.items():
+        if isinstance(m, BlockQuantizedLinear):
+            continue
+        before = known.get(n, {})
+        q = m.quantized_weight()
+        layers[n] = layer_entry(
+            scheme=schemes[n].name, weight_granularity=m.weight_granularity.name, weight_scale=m.weight_scale.cpu(),
+            weight_amax=float(q.dequantize(torch.float32).abs().max()),
+            relative_weight_error=(before.get("weight") or {}).get("relative_error"),
+            shape=(m.out_features, m.in_features), input_scale=None if m.input_scale is None else m.input_scale.cpu(),
+            input_amax=(before.get("input") or {}).get("amax"), input_dynamic=m.input_scale is None,
+            input_granularity=m.input_granularity.name,
+        )  # fmt: skip
+    return layers
+
+
+def _output_config(model: nn.Module, format: str, scheme: InferenceScheme, schemes: dict[str, InferenceScheme],
+                   ignored: list[str], kv_cache: bool) -> dict[str, Any]:  # fmt: skip
+    """The model's config (as save_pretrained writes it) with the layout's quantization_config."""
+    out_cfg = json.loads(model.config.to_json_string(use_diff=True))
+    out_cfg.pop("quantization_config", None)
+    out_cfg["architectures"] = [
+        type(model).__name__
+    ]  # as save_pretrained records it: loaders build this class
+    dtype = _output_dtype_name(model)
+    if dtype is not None:
+        out_cfg["dtype"] = dtype
+        out_cfg.pop("torch_dtype", None)
+    if scheme is MIXED:
+        out_cfg["quantization_config"] = configs.ct_mixed_quantization_config(schemes, ignored, kv_cache)
+    elif format == "compressed-tensors":
+        out_cfg["quantization_config"] = configs.ct_quantization_config(scheme, ignored, kv_cache)
+    else:
+        out_cfg["quantization_config"] = configs.hf_fp8_quantization_config(scheme, ignored)
+    return out_cfg

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from mixprec.inference.checkpoint.layout import (
     attention_of_kv_scale,
 )
 from mixprec.inference.checkpoint.linear_weights import conversion_transforms, rename_key
-from mixprec.inference.checkpoint.safetensors_io import ShardReader, open_checkpoint
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader, open_checkpoint
 from mixprec.inference.checkpoint.scales_file import (
     check_against_checkpoint,
     compact_entry,
@@ -125,7 +126,8 @@ def load_quantized(
     scales: Any = None,
     device: str | torch.device = "cpu",
 ) -> nn.Module:
-    """Load an FP8 checkpoint directory as a model whose Linears run FP8 GEMMs; returns it in eval mode.
+    """Load a quantized checkpoint directory as a model whose Linears run FP8 (or FP4) GEMMs; returns it
+    in eval mode.
 
     The loader's report (what was quantized, recomputed scales, warnings) is `model.mixprec_report`.
     `scales=`: a path to a scales file, a scales document, or {layer: {"weight_scale": ..., "input_scale": ...}},
@@ -134,9 +136,62 @@ def load_quantized(
     root = Path(path)
     ckpt = open_checkpoint(root)
     config = read_config(root)
+    file_doc, file_path, hand, hand_where = _scales_documents(root, ckpt, scales)
+    qc, spec = _layout_spec(root, config, file_doc, file_path, hand, hand_where)
+    model = build_model(config, source=root)
+    dtype = config_dtype(config)
+    renamed, ckpt_module = _checkpoint_names(root, model, ckpt)
+    report = ConversionReport(recipe=spec.layout, kind="fp8", device=str(device),
+                                param_dtype=str(dtype).replace("torch.", ""), scheme=spec.layout)  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {}
+    with ShardReader() as reader:
+        for name, info in ckpt.tensors.items():
+            tensors[name] = reader.get(info)
+    ld = _Loading(root, spec, tensors, dtype, report, (file_doc or {}).get("layers", {}),
+                  (hand or {}).get("layers", {}), file_path)  # fmt: skip
+    hf_default_skip = _hf_default_skip(model, spec, qc)
+    for module_path, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear):
+            # the checkpoint's name: its tensors, ignore list and scales files use it
+            _load_linear(
+                model, module_path, mod, ckpt_module.get(module_path, module_path), hf_default_skip, ld
+            )
+    tensors = {renamed.get(k, k): t for k, t in ld.tensors.items()}
+    _place_kv_scales(model, tensors, report)
+    _assign_the_rest(model, tensors, root, report)
+    if file_path is not None:
+        used = sum(1 for e in report.layers.values() if e["weight"].get("scale_source") == "scales file")
+        how = (
+            "applied: the high-precision weights were quantized with its scales"
+            if spec.layout == "scales-file"
+            else f"checked against the checkpoint; {used} weight scales taken from it (the checkpoint's own are used first)"
+        )
+        report.notes.append(f"scales file {file_path.name}: {len(ld.file_layers)} layers, {how}")
+    model.to(device)
+    model.eval()
+    model.mixprec_report = report
+    return model
 
-    # scales files are checked against the checkpoint's weights (names, shapes, scale counts) before
-    # anything is built or read: a wrong file is an error naming it and the key path
+
+@dataclass
+class _Loading:
+    """What loading one checkpoint carries from Linear to Linear: the tensors not consumed yet, and
+    where scales may come from besides the checkpoint (the scales file's layers, scales=)."""
+
+    root: Path
+    spec: LayoutSpec
+    tensors: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    report: ConversionReport
+    file_layers: dict[str, Any]
+    hand_layers: dict[str, Any]
+    file_path: Path | None
+
+
+def _scales_documents(root: Path, ckpt: Checkpoint, scales: Any) -> tuple[dict | None, Path | None, dict | None, str]:  # fmt: skip
+    """(the scales file's document and path, scales='s document and where it came from), each checked
+    against the checkpoint's weights (names, shapes, scale counts) before anything is built or read:
+    a wrong file is an error naming it and the key path."""
     weight_shapes = {
         n[: -len(".weight")]: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")
     }
@@ -148,23 +203,32 @@ def load_quantized(
     hand_where = str(scales) if isinstance(scales, (str, os.PathLike)) else "scales="
     if hand is not None:
         check_against_checkpoint(hand, hand_where, weight_shapes)
-    qc, qc_path = read_quantization_config(root, config)  # config.json, else ModelOpt's hf_quant_config.json
+    return file_doc, file_path, hand, hand_where
+
+
+def _layout_spec(root: Path, config: dict[str, Any], file_doc: dict | None, file_path: Path | None,
+                 hand: dict | None, hand_where: str) -> tuple[dict | None, LayoutSpec]:  # fmt: skip
+    """(the quantization config, how each module is stored): config.json's or ModelOpt's
+    hf_quant_config.json, else a plain checkpoint + scales, quantized online with them (the guide's
+    "scales next to the model")."""
+    qc, qc_path = read_quantization_config(root, config)
     if qc is not None:
-        spec = parse_quantization_config(qc, str(qc_path))
-    elif file_doc is not None or hand is not None:
-        # a plain checkpoint + scales: quantized online with them (the guide's "scales next to the model")
-        spec = _spec_from_scales(
+        return qc, parse_quantization_config(qc, str(qc_path))
+    if file_doc is not None or hand is not None:
+        return qc, _spec_from_scales(
             *((file_doc, str(file_path)) if file_doc is not None else (hand, hand_where))
         )
-    else:
-        raise MixprecError(
-            f"{root} is not a quantized checkpoint (no quantization_config in config.json and no scales file); "
-            "quantize it with `mixprec quantize` or load it normally and call mixprec.quantize_model_"
-        )
+    raise MixprecError(
+        f"{root} is not a quantized checkpoint (no quantization_config in config.json and no scales file); "
+        "quantize it with `mixprec quantize` or load it normally and call mixprec.quantize_model_"
+    )
 
-    model = build_model(config, source=root)
-    dtype = config_dtype(config)
-    # per-expert checkpoint weights of fused transformers experts become one Linear each (experts.py)
+
+def _checkpoint_names(
+    root: Path, model: nn.Module, ckpt: Checkpoint
+) -> tuple[dict[str, str], dict[str, str]]:
+    """({checkpoint key: model key} where they differ, {model module: checkpoint module}); per-expert
+    checkpoint weights of fused transformers experts become one Linear each (experts.py)."""
     part_of = unfuse_skeleton(
         model, {n[: -len(".weight")]: i.shape for n, i in ckpt.tensors.items() if n.endswith(".weight")}
     )
@@ -178,111 +242,123 @@ def load_quantized(
     ckpt_module = {
         v[: -len(".weight")]: k[: -len(".weight")] for k, v in renamed.items() if k.endswith(".weight")
     }
-    report = ConversionReport(recipe=spec.layout, kind="fp8", device=str(device),
-                                param_dtype=str(dtype).replace("torch.", ""), scheme=spec.layout)  # fmt: skip
-    file_layers = (file_doc or {}).get("layers", {})
-    hand_layers = (hand or {}).get("layers", {})
+    return renamed, ckpt_module
 
-    tensors: dict[str, torch.Tensor] = {}
-    with ShardReader() as reader:
-        for name, info in ckpt.tensors.items():
-            tensors[name] = reader.get(info)
-    # hf-fp8 with modules_to_not_convert null: transformers skips its default modules (the output
-    # embeddings) and stores them in high precision; it and vLLM run lm_head unquantized
-    hf_default_skip: set[str] = set()
-    if spec.layout == "hf-fp8" and (qc or {}).get("modules_to_not_convert") is None:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        hf_default_skip = {n for n, m in model.named_modules() if head is not None and m is head}
 
-    for path, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear):
-            continue
-        # the checkpoint's name: its tensors, ignore list and scales files use it
-        name = ckpt_module.get(path, path)
-        ml = spec.module_layout(name, type(mod).__name__)
-        w_name = f"{name}.weight"
-        if ml is not None and ml.block_scheme is not None:  # NVFP4 / MXFP4 / MXFP8 (block_tensors)
-            _load_block_linear(model, path, mod, name, ml, tensors, spec, dtype, report, root)
-            continue
-        if ml is None or w_name not in tensors:
-            continue
-        if path in hf_default_skip and tensors[w_name].dtype != torch.float8_e4m3fn:
-            continue
-        w = tensors.pop(w_name)
-        shape = (mod.out_features, mod.in_features)
-        if tuple(w.shape) != shape:
-            raise MixprecError(f"{root}: {w_name} has shape {tuple(w.shape)}, the model expects {shape}")
-        scale, source = None, None
-        for src_name, layers in (("scales=", hand_layers),):
-            if name in layers and weight_scale_tensor(layers[name]) is not None:
-                scale, source = weight_scale_tensor(layers[name]), src_name
-        stored = tensors.pop(f"{name}.{ml.scale_name}", None)
-        if scale is None and stored is not None:
-            scale, source = stored, "checkpoint"
-        if scale is None and name in file_layers and weight_scale_tensor(file_layers[name]) is not None:
-            scale, source = weight_scale_tensor(file_layers[name]), "scales file"
-            if spec.layout != "scales-file":  # a quantized checkpoint should have held it
-                report.warn(
-                    f"{w_name}: weight scale missing from the checkpoint; taken from {file_path.name}"
-                )
-        sch = ml.as_scheme()
-        if w.dtype == torch.float8_e4m3fn:
-            if scale is None:
-                raise MixprecError(
-                    f"{root}: FP8 weight {w_name} has no scale ({name}.{ml.scale_name} missing, not in a scales "
-                    "file, not given by scales=); it cannot be recomputed from FP8 values"
-                )
-            grid = _scale_grid(scale, ml, shape, f"{root}: {name}.{ml.scale_name}")
-            if not bool(torch.isfinite(grid).all() and (grid > 0).all()):
-                raise MixprecError(f"{root}: {name}.{ml.scale_name} has non-finite or non-positive scales")
-            q = QuantizedTensor(w, grid, E4M3, ml.weight_granularity, torch.Size(shape))
-            rel = None
-        elif w.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            given = None if scale is None else _scale_grid(scale, ml, shape, f"{name} scale from {source}")
-            q, stats = quantize_weight(w, sch, name=w_name, scale=given)
-            rel = stats.relative_error
-            if given is None:
-                report.warn(
-                    f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight"
-                )
-        else:
-            raise MixprecError(f"{root}: {w_name} has dtype {w.dtype}, not FP8 E4M3 or a float type")
-        in_scale = None
-        stored_in = tensors.pop(f"{name}.{INPUT_SCALE}", None)
-        if not ml.input_dynamic:
-            if name in hand_layers and input_scale_tensor(hand_layers[name]) is not None:
-                in_scale = input_scale_tensor(hand_layers[name])
-            elif stored_in is not None:
-                in_scale = stored_in.float().reshape(-1)[:1]
-            elif name in file_layers and input_scale_tensor(file_layers[name]) is not None:
-                in_scale = input_scale_tensor(file_layers[name])
-                if spec.layout != "scales-file":
-                    report.warn(
-                        f"{name}.input_scale missing from the checkpoint; taken from {file_path.name}"
-                    )
-            else:
-                report.warn(
-                    f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales"
-                )
-        bias = tensors.pop(f"{name}.bias", None)
-        if bias is None and mod.bias is not None:
-            raise MixprecError(f"{root}: {name}.bias is missing from the checkpoint")
-        new = QuantizedLinear(q, bias, sch, input_scale=in_scale, out_dtype=dtype)
-        if in_scale is None and not ml.input_dynamic:
-            new.scheme = InferenceScheme(sch.name, sch.weight_granularity, sch.input_granularity, True)
-        replace_submodule(model, path, new)
-        entry = layer_entry(
-            scheme=sch.name, weight_granularity=ml.weight_granularity.name, weight_scale=q.scale, weight_amax=float("nan"),
-            relative_weight_error=float("nan") if rel is None else rel, shape=shape, input_scale=in_scale,
-            input_dynamic=in_scale is None, input_granularity=new.input_granularity.name,
-        )  # fmt: skip
-        entry["weight"]["scale_source"] = source or "recomputed"
-        report.add_quantized_linear(name, "Linear", w.numel(), entry, "QuantizedLinear", "fp8")
+def _hf_default_skip(model: nn.Module, spec: LayoutSpec, qc: dict | None) -> set[str]:
+    """hf-fp8 with modules_to_not_convert null: transformers skips its default modules (the output
+    embeddings) and stores them in high precision; it and vLLM run lm_head unquantized."""
+    if spec.layout != "hf-fp8" or (qc or {}).get("modules_to_not_convert") is not None:
+        return set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {n for n, m in model.named_modules() if head is not None and m is head}
 
-    tensors = {renamed.get(k, k): t for k, t in tensors.items()}
-    # KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache. mixprec's
-    # forward does not round keys and values: a plain E4M3 round trip did not match vLLM's CPU cache
-    # (docs/serving.md), and nothing is emulated that does not match an engine.
+
+def _load_linear(
+    model: nn.Module, path: str, mod: nn.Linear, name: str, skip: set[str], ld: _Loading
+) -> None:
+    """Swap the Linear at `path` (checkpoint name `name`) for the quantized Linear its tensors make,
+    when the layout quantizes it."""
+    ml = ld.spec.module_layout(name, type(mod).__name__)
+    w_name = f"{name}.weight"
+    if ml is not None and ml.block_scheme is not None:  # NVFP4 / MXFP4 / MXFP8 (block_tensors)
+        _load_block_linear(model, path, mod, name, ml, ld.tensors, ld.spec, ld.dtype, ld.report, ld.root)
+        return
+    if ml is None or w_name not in ld.tensors:
+        return
+    if path in skip and ld.tensors[w_name].dtype != torch.float8_e4m3fn:
+        return
+    w = ld.tensors.pop(w_name)
+    shape = (mod.out_features, mod.in_features)
+    if tuple(w.shape) != shape:
+        raise MixprecError(f"{ld.root}: {w_name} has shape {tuple(w.shape)}, the model expects {shape}")
+    scale, source = _weight_scale(name, ml, ld)
+    sch = ml.as_scheme()
+    q, rel = _quantized_weight(w, w_name, name, scale, source, ml, sch, ld)
+    in_scale = _input_scale(name, ml, ld)
+    bias = ld.tensors.pop(f"{name}.bias", None)
+    if bias is None and mod.bias is not None:
+        raise MixprecError(f"{ld.root}: {name}.bias is missing from the checkpoint")
+    new = QuantizedLinear(q, bias, sch, input_scale=in_scale, out_dtype=ld.dtype)
+    if in_scale is None and not ml.input_dynamic:
+        new.scheme = InferenceScheme(sch.name, sch.weight_granularity, sch.input_granularity, True)
+    replace_submodule(model, path, new)
+    entry = layer_entry(
+        scheme=sch.name, weight_granularity=ml.weight_granularity.name, weight_scale=q.scale, weight_amax=float("nan"),
+        relative_weight_error=float("nan") if rel is None else rel, shape=shape, input_scale=in_scale,
+        input_dynamic=in_scale is None, input_granularity=new.input_granularity.name,
+    )  # fmt: skip
+    entry["weight"]["scale_source"] = source or "recomputed"
+    ld.report.add_quantized_linear(name, "Linear", w.numel(), entry, "QuantizedLinear", "fp8")
+
+
+def _weight_scale(name: str, ml: ModuleLayout, ld: _Loading) -> tuple[torch.Tensor | None, str | None]:
+    """(the weight scale, where it came from): scales=, else the checkpoint, else the scales file."""
+    scale, source = None, None
+    if name in ld.hand_layers and weight_scale_tensor(ld.hand_layers[name]) is not None:
+        scale, source = weight_scale_tensor(ld.hand_layers[name]), "scales="
+    stored = ld.tensors.pop(f"{name}.{ml.scale_name}", None)
+    if scale is None and stored is not None:
+        scale, source = stored, "checkpoint"
+    if scale is None and name in ld.file_layers and weight_scale_tensor(ld.file_layers[name]) is not None:
+        scale, source = weight_scale_tensor(ld.file_layers[name]), "scales file"
+        if ld.spec.layout != "scales-file":  # a quantized checkpoint should have held it
+            ld.report.warn(
+                f"{name}.weight: weight scale missing from the checkpoint; taken from {ld.file_path.name}"
+            )
+    return scale, source
+
+
+def _quantized_weight(w: torch.Tensor, w_name: str, name: str, scale: torch.Tensor | None, source: str | None,
+                      ml: ModuleLayout, sch: InferenceScheme, ld: _Loading) -> tuple[QuantizedTensor, float | None]:  # fmt: skip
+    """(the weight as a QuantizedTensor, its relative error when it was quantized here): an FP8 payload
+    with its scale, or a high-precision weight quantized with the scale given (else recomputed)."""
+    shape = tuple(w.shape)
+    if w.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise MixprecError(
+                f"{ld.root}: FP8 weight {w_name} has no scale ({name}.{ml.scale_name} missing, not in a scales "
+                "file, not given by scales=); it cannot be recomputed from FP8 values"
+            )
+        grid = _scale_grid(scale, ml, shape, f"{ld.root}: {name}.{ml.scale_name}")
+        if not bool(torch.isfinite(grid).all() and (grid > 0).all()):
+            raise MixprecError(f"{ld.root}: {name}.{ml.scale_name} has non-finite or non-positive scales")
+        return QuantizedTensor(w, grid, E4M3, ml.weight_granularity, torch.Size(shape)), None
+    if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise MixprecError(f"{ld.root}: {w_name} has dtype {w.dtype}, not FP8 E4M3 or a float type")
+    given = None if scale is None else _scale_grid(scale, ml, shape, f"{name} scale from {source}")
+    q, stats = quantize_weight(w, sch, name=w_name, scale=given)
+    if given is None:
+        ld.report.warn(
+            f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight"
+        )
+    return q, stats.relative_error
+
+
+def _input_scale(name: str, ml: ModuleLayout, ld: _Loading) -> torch.Tensor | None:
+    """A static scheme's input scale: scales=, else the checkpoint, else the scales file, else none
+    (dynamic per-tensor inputs, with a warning)."""
+    stored_in = ld.tensors.pop(f"{name}.{INPUT_SCALE}", None)
+    if ml.input_dynamic:
+        return None
+    if name in ld.hand_layers and input_scale_tensor(ld.hand_layers[name]) is not None:
+        return input_scale_tensor(ld.hand_layers[name])
+    if stored_in is not None:
+        return stored_in.float().reshape(-1)[:1]
+    if name in ld.file_layers and input_scale_tensor(ld.file_layers[name]) is not None:
+        if ld.spec.layout != "scales-file":
+            ld.report.warn(
+                f"{name}.{INPUT_SCALE} missing from the checkpoint; taken from {ld.file_path.name}"
+            )
+        return input_scale_tensor(ld.file_layers[name])
+    ld.report.warn(f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales")
+    return None
+
+
+def _place_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], report: ConversionReport) -> None:
+    """KV-cache scales: buffers on their attention modules, for engines with an FP8 KV cache. mixprec's
+    forward does not round keys and values: a plain E4M3 round trip did not match vLLM's CPU cache
+    (docs/serving.md), and nothing is emulated that does not match an engine."""
     for name in [n for n in tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]:
         # on the attention module in every layout (ModelOpt stores them under k_proj / v_proj)
         owner, attr = attention_of_kv_scale(name), name.rpartition(".")[2]
@@ -291,6 +367,10 @@ def load_quantized(
         except AttributeError:
             report.warn(f"{name}: no module {owner!r} to hold it; ignored")
 
+
+def _assign_the_rest(model: nn.Module, tensors: dict[str, torch.Tensor], root: Path, report: ConversionReport) -> None:  # fmt: skip
+    """Every other tensor assigned as stored; tied weights the checkpoint omits tied; an error for
+    parameters still missing, a warning for tensors the model does not use."""
     _, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     with contextlib.suppress(Exception):  # tie weights the checkpoint omits (lm_head <- embeddings)
         model.tie_weights()
@@ -306,15 +386,3 @@ def load_quantized(
         report.warn(
             f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}"
         )
-    if file_path is not None:
-        used = sum(1 for e in report.layers.values() if e["weight"].get("scale_source") == "scales file")
-        how = (
-            "applied: the high-precision weights were quantized with its scales"
-            if spec.layout == "scales-file"
-            else f"checked against the checkpoint; {used} weight scales taken from it (the checkpoint's own are used first)"
-        )
-        report.notes.append(f"scales file {file_path.name}: {len(file_layers)} layers, {how}")
-    model.to(device)
-    model.eval()
-    model.mixprec_report = report
-    return model
