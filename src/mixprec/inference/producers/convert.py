@@ -47,6 +47,7 @@ from mixprec.inference.checkpoint.layout import (
 )
 from mixprec.inference.checkpoint.publish import parse_size, publish
 from mixprec.inference.checkpoint.safetensors_io import (
+    Checkpoint,
     PlannedShardWriter,
     PlannedTensor,
     ShardReader,
@@ -55,7 +56,12 @@ from mixprec.inference.checkpoint.safetensors_io import (
     copy_side_files,
     open_checkpoint,
 )
-from mixprec.inference.checkpoint.stored_modules import expand_ignore, module_names, quantized_modules
+from mixprec.inference.checkpoint.stored_modules import (
+    StoredModule,
+    expand_ignore,
+    module_names,
+    quantized_modules,
+)
 from mixprec.progress import progress_bar
 
 CONVERT_SCHEMA_VERSION = 1  # of the summary convert_checkpoint returns (docs/schemas/inspect.md)
@@ -100,57 +106,14 @@ def convert_checkpoint(
     mods = quantized_modules(ckpt, cfg)
     if not mods:
         raise MixprecError(f"{src}: no quantized layer found (no FP8/FP4 payload or weight scale tensor)")
-    moves: dict[str, _Move] = {}
-    schemes: dict[str, StoredScheme] = {}
-    reciprocals = renamed = 0
-    for m in mods.values():
-        where = f"{src}: layer {m.name}"
-        if m.scheme is None or m.dims is None:
-            raise MixprecError(
-                f"{where} is stored quantized but its config ({cfg.source.name}) does not quantize it"
-            )
-        why = holds(to, m.scheme, *m.dims)
-        if why:
-            raise MixprecError(f"{where} ({m.scheme.describe()}) cannot be written as {to}: {why}")
-        schemes[m.name] = m.scheme
-        targets = {s.role: s for s in module_tensors(to, m.scheme, *m.dims)}
-        for spec in module_tensors(cfg.layout, m.scheme, *m.dims):
-            info = m.tensors.get(spec.suffix)
-            if info is None or tuple(info.shape) not in (spec.shape, *spec.also):
-                found = "missing" if info is None else f"shape {list(info.shape)}"
-                raise MixprecError(
-                    f"{where}: {spec.suffix} {found}; {m.scheme.describe()} in {cfg.layout} stores "
-                    f"{list(spec.shape)} (run `mixprec inspect {src}`)"
-                )
-            move = _move(info, spec, targets[spec.role], m.name, to)
-            moves[info.name] = move
-            reciprocals += move.how == "reciprocal"
-            renamed += move.how != "reciprocal" and spec.role != "weight"
-        leftover = (
-            set(m.tensors) - {s.suffix for s in module_tensors(cfg.layout, m.scheme, *m.dims)} - {"bias"}
-        )
-        if leftover:
-            raise MixprecError(
-                f"{where}: tensor(s) {', '.join(sorted(leftover))} have no place in {m.scheme.describe()} "
-                "and would be lost"
-            )
-    kv = [n for n in ckpt.tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]
-    if kv and to == "hf-fp8":
-        raise MixprecError(
-            f"{src} holds KV-cache scales ({kv[0]}); the Hugging Face fp8 layout has no place for them"
-        )
-    for n in kv:
-        k_name, v_name = kv_scale_names(to, attention_of_kv_scale(n))
-        info = ckpt.tensors[n]
-        moves[n] = _Move(
-            info, k_name if n.endswith(f".{K_SCALE}") else v_name, torch.float32, kv_scale_shape(to), "value"
-        )
-    planned = []
-    for n, info in ckpt.tensors.items():
-        mv = moves.get(n)
-        planned.append(
-            PlannedTensor(mv.name, mv.dtype, mv.shape) if mv else PlannedTensor(n, info.dtype, info.shape)
-        )
+    moves, schemes, renamed, reciprocals = _layer_moves(src, cfg, mods, to)
+    kv = _kv_moves(src, ckpt, to, moves)
+    planned = [
+        PlannedTensor(mv.name, mv.dtype, mv.shape)
+        if (mv := moves.get(n))
+        else PlannedTensor(n, info.dtype, info.shape)
+        for n, info in ckpt.tensors.items()
+    ]
     ignore = expand_ignore(cfg, module_names(ckpt), set(mods))
     qc, extra = _quantization_config(
         to, schemes, ignore, cfg, bool(kv) or cfg.kv_cache, f"mixprec {__version__}"
@@ -186,26 +149,76 @@ def convert_checkpoint(
         producer=f"mixprec {__version__} (convert)", write_tensors=write_tensors, config=lambda: out_cfg,
         side_files=side_files,
     )  # fmt: skip
+    summary = {"from": cfg.layout, "to": to, "input": str(src), "output": str(out), "layers": len(mods),
+               "schemes": sorted({s.describe() for s in schemes.values()}), "bytes_copied_unchanged": copied_payload,
+               "scales_renamed": renamed, "scales_reciprocal": reciprocals, "kv_scales": len(kv), "ignore": ignore}  # fmt: skip
+    return _with_notes(summary, src, copied)
+
+
+def _with_notes(summary: dict[str, Any], src: Path, copied: list[str]) -> dict[str, Any]:
+    """The summary document (CONVERT_SCHEMA_VERSION), with what was copied and what was not."""
     notes = [f"copied {', '.join(copied) or 'no side files'}"]
     if (src / "model.fp8_scales.json").exists():
         notes.append(
             "model.fp8_scales.json (mixprec's record, written for its own layout) was not carried over"
         )
-    return {
-        "schema_version": CONVERT_SCHEMA_VERSION,
-        "from": cfg.layout,
-        "to": to,
-        "input": str(src),
-        "output": str(out),
-        "layers": len(mods),
-        "schemes": sorted({s.describe() for s in schemes.values()}),
-        "bytes_copied_unchanged": copied_payload,
-        "scales_renamed": renamed,
-        "scales_reciprocal": reciprocals,
-        "kv_scales": len(kv),
-        "ignore": ignore,
-        "notes": notes,
-    }
+    return {"schema_version": CONVERT_SCHEMA_VERSION, **summary, "notes": notes}
+
+
+def _layer_moves(src: Path, cfg: LayoutConfig, mods: dict[str, StoredModule], to: str) -> tuple[dict[str, _Move], dict[str, StoredScheme], int, int]:  # fmt: skip
+    """({input tensor: its move}, {layer: its scheme}, scales renamed, scales reciprocated) of every
+    quantized layer, each checked against the layout table: stored as its scheme says, and holdable in `to`."""
+    moves: dict[str, _Move] = {}
+    schemes: dict[str, StoredScheme] = {}
+    reciprocals = renamed = 0
+    for m in mods.values():
+        where = f"{src}: layer {m.name}"
+        if m.scheme is None or m.dims is None:
+            raise MixprecError(
+                f"{where} is stored quantized but its config ({cfg.source.name}) does not quantize it"
+            )
+        why = holds(to, m.scheme, *m.dims)
+        if why:
+            raise MixprecError(f"{where} ({m.scheme.describe()}) cannot be written as {to}: {why}")
+        schemes[m.name] = m.scheme
+        targets = {s.role: s for s in module_tensors(to, m.scheme, *m.dims)}
+        for spec in module_tensors(cfg.layout, m.scheme, *m.dims):
+            info = m.tensors.get(spec.suffix)
+            if info is None or tuple(info.shape) not in (spec.shape, *spec.also):
+                found = "missing" if info is None else f"shape {list(info.shape)}"
+                raise MixprecError(
+                    f"{where}: {spec.suffix} {found}; {m.scheme.describe()} in {cfg.layout} stores "
+                    f"{list(spec.shape)} (run `mixprec inspect {src}`)"
+                )
+            move = _move(info, spec, targets[spec.role], m.name, to)
+            moves[info.name] = move
+            reciprocals += move.how == "reciprocal"
+            renamed += move.how != "reciprocal" and spec.role != "weight"
+        leftover = (
+            set(m.tensors) - {s.suffix for s in module_tensors(cfg.layout, m.scheme, *m.dims)} - {"bias"}
+        )
+        if leftover:
+            raise MixprecError(
+                f"{where}: tensor(s) {', '.join(sorted(leftover))} have no place in {m.scheme.describe()} "
+                "and would be lost"
+            )
+    return moves, schemes, renamed, reciprocals
+
+
+def _kv_moves(src: Path, ckpt: Checkpoint, to: str, moves: dict[str, _Move]) -> list[str]:
+    """The checkpoint's KV-cache scales, each moved (into `moves`) to where `to` keeps it."""
+    kv = [n for n in ckpt.tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]
+    if kv and to == "hf-fp8":
+        raise MixprecError(
+            f"{src} holds KV-cache scales ({kv[0]}); the Hugging Face fp8 layout has no place for them"
+        )
+    for n in kv:
+        k_name, v_name = kv_scale_names(to, attention_of_kv_scale(n))
+        info = ckpt.tensors[n]
+        moves[n] = _Move(
+            info, k_name if n.endswith(f".{K_SCALE}") else v_name, torch.float32, kv_scale_shape(to), "value"
+        )
+    return kv
 
 
 def _move(info: TensorInfo, src: TensorSpec, dst: TensorSpec, module: str, to: str) -> _Move:

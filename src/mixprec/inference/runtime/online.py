@@ -81,9 +81,9 @@ def apply_scheme_(
     ConversionReport. The package root's `mixprec.quantize_model_` is the public entry (it also takes
     scheme "auto"); this is the inference wing's, for one scheme.
 
-    scheme: "fp8-dynamic" | "fp8-static" | "fp8-block". ignore: extra module-name patterns kept in
-    high precision (added to the defaults: lm_head, embeddings, norms, MoE routers). calib_data
-    (fp8-static): an iterable of model inputs (input_ids tensors, dicts of kwargs, tuples), or a text
+    scheme: a name of SCHEMES (fp8-dynamic, fp8-static, fp8-block, nvfp4, nvfp4a16, mxfp4, ...).
+    ignore: extra module-name patterns kept in high precision (added to the defaults: lm_head,
+    embeddings, norms, MoE routers). calib_data (static schemes): an iterable of model inputs (input_ids tensors, dicts of kwargs, tuples), or a text
     path with tokenizer=; calibration stops early once the input amax settle (`stop`, default
     StopRule(); calib_samples is the cap) and `report.calibration` says how much it ran and why it
     stopped. scales: a validated scales document (see scales_file) whose weight/input scales are used
@@ -100,7 +100,6 @@ def apply_scheme_(
         param_dtype=str(param_dtype).replace("torch.", ""), scheme=sch.name,
     )  # fmt: skip
     report.weight_bytes_before = weight_bytes(model)
-
     input_amax: dict[str, float] = {}
     if sch.needs_calibration:
         missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
@@ -118,7 +117,6 @@ def apply_scheme_(
                 f"calibrated {len(missing)} input scales with the {observer} observer on {result.run.samples} "
                 f"samples ({result.run.reason})"
             )
-
     was_training = model.training
     # NVFP4: the shards of a fused GEMM (q/k/v, gate/up) share one weight global scale
     nv = [n for n in targets if sch.weight_granularity.scale_format == "e4m3"]
@@ -127,47 +125,7 @@ def apply_scheme_(
         param_dtype,
     ) if nv else {}  # fmt: skip
     for name in targets:
-        lin = modules[name]
-        given = layers_in.get(name, {})
-        w_scale = None
-        if given.get("weight") and "scale" in given["weight"]:
-            w_scale = torch.tensor(given["weight"]["scale"], dtype=torch.float32).reshape(
-                given["weight"].get("scale_shape") or [-1]
-            )
-            if w_scale.dim() == 1:
-                w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
-        q, stats = quantize_weight(
-            lin.weight.detach(),
-            sch,
-            name=f"{name}.weight",
-            scale=w_scale,
-            global_scale=weight_globals.get(name),
-        )
-        in_scale = None
-        in_amax = None
-        if sch.needs_calibration:
-            if "scale" in (given.get("input") or {}):
-                in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
-            else:
-                in_amax = input_amax[name]
-                if sch.input_global:  # nvfp4: the static input global scale, in the weights' dtype
-                    in_scale = input_global_scale(in_amax, lin.weight.dtype)
-                else:
-                    in_scale = compute_scale(in_amax, E4M3).reshape(1)
-        new = quantized_linear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
-        new.train(False)
-        replace_submodule(model, name, new)
-        modules[name] = new
-        entry = layer_entry(
-            scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
-            weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
-            input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
-            input_granularity=sch.input_granularity.name,
-        ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
-        report.add_quantized_linear(
-            name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__, sch.family
-        )
-        del lin
+        _swap_linear(model, modules, name, sch, layers_in.get(name, {}), input_amax, weight_globals.get(name), report)  # fmt: skip
     for name, why in skipped.items():
         m = modules[name]
         report.add_skipped(name, type(m).__name__, m.weight.numel(), why)
@@ -176,3 +134,45 @@ def apply_scheme_(
     report.weight_bytes_after = weight_bytes(model)
     model.mixprec_report = report  # as load_quantized does; save_quantized reads the layer statistics
     return report
+
+
+def _swap_linear(model: nn.Module, modules: dict[str, nn.Module], name: str, sch: InferenceScheme,
+                 given: dict[str, Any], input_amax: dict[str, float], weight_global: torch.Tensor | None,
+                 report: ConversionReport) -> None:  # fmt: skip
+    """Replace the Linear `name` by its quantized Linear (scales `given` by a scales document win over
+    computed ones), and record it in the report."""
+    lin = modules[name]
+    w_scale = None
+    if given.get("weight") and "scale" in given["weight"]:
+        w_scale = torch.tensor(given["weight"]["scale"], dtype=torch.float32).reshape(
+            given["weight"].get("scale_shape") or [-1]
+        )
+        if w_scale.dim() == 1:
+            w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
+    q, stats = quantize_weight(
+        lin.weight.detach(), sch, name=f"{name}.weight", scale=w_scale, global_scale=weight_global
+    )
+    in_scale = None
+    in_amax = None
+    if sch.needs_calibration:
+        if "scale" in (given.get("input") or {}):
+            in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
+        else:
+            in_amax = input_amax[name]
+            if sch.input_global:  # nvfp4: the static input global scale, in the weights' dtype
+                in_scale = input_global_scale(in_amax, lin.weight.dtype)
+            else:
+                in_scale = compute_scale(in_amax, E4M3).reshape(1)
+    new = quantized_linear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
+    new.train(False)
+    replace_submodule(model, name, new)
+    modules[name] = new
+    entry = layer_entry(
+        scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
+        weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
+        input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
+        input_granularity=sch.input_granularity.name,
+    ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
+    report.add_quantized_linear(
+        name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__, sch.family
+    )
