@@ -469,6 +469,41 @@ def test_the_runtime_layers_name_their_buffers_from_the_layout_table():
         assert buffers and buffers <= {layout.WEIGHT, *layout.TENSOR_NAMES}, (name, buffers)
 
 
+WING_FUNCTION_LINES = 80  # every function of the inference wing, its docstring included
+PIPELINE_LINES = 60  # quantize_checkpoint: the pipeline over its job
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """{function name: lines from its `def` to its last line} of every function and method."""
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+
+
+def test_the_inference_wing_reads_as_short_steps():
+    sources = package_sources()
+    long = {
+        f"{module}.{name}": n
+        for module, (source, _) in sources.items()
+        if module == WING or module.startswith(WING + ".")
+        for name, n in function_lengths(source).items()
+        if n > WING_FUNCTION_LINES
+    }
+    assert long == {}
+    quantize, _ = sources["mixprec.inference.producers.quantize"]
+    assert function_lengths(quantize)["quantize_checkpoint"] <= PIPELINE_LINES
+
+
+def test_a_long_function_is_measured():
+    body = "".join(f"    x{i} = {i}\n" for i in range(90))
+    assert function_lengths(f"def f():\n{body}\n\nclass C:\n    def g(self):\n        return 1\n") == {
+        "f": 91,
+        "g": 2,
+    }
+
+
 LAZY_PACKAGES = ("mixprec", "mixprec.training", "mixprec.inference")
 
 
