@@ -101,7 +101,7 @@ def static_input_amax(
     model: nn.Module, batches: Sequence[Any], names: Sequence[str], candidates: Sequence[InferenceScheme]
 ) -> dict[str, float]:
     """The input amax of every Linear, for the candidates with calibrated input scales (fp8-static,
-    nvfp4's input global scale), from THE calibration (mixprec.inference.calibration.run.calibrate, max
+    nvfp4's input global scale), from THE calibration (mixprec.inference.calibration.calibrate, max
     observer, every batch): what `mixprec quantize` derives its static scales from."""
     if not any(s.needs_calibration for s in candidates):
         return {}
