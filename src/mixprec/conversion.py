@@ -71,10 +71,11 @@ class ConversionReport:
     def add_skipped(self, name: str, type_: str, num_params: int, reason: str, role: str = "linear") -> None:
         self.entries.append(ModuleEntry(name, type_, role, f"skipped: {reason}", reason, None, num_params))
 
-    def warn(self, message: str) -> None:
-        """Record a warning in the report and raise it as a UserWarning for the caller."""
+    def warn(self, message: str, *, depth: int = 0) -> None:
+        """Record a warning in the report and raise it as a UserWarning for the caller of the function
+        that warns; `depth`: how many helper calls lie between that function and this call."""
         self.warnings.append(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=3 + depth)
 
     # ---- queries -------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ModuleEntry:

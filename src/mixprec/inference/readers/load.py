@@ -304,7 +304,8 @@ def _weight_scale(name: str, ml: ModuleLayout, ld: _Loading) -> tuple[torch.Tens
         scale, source = weight_scale_tensor(ld.file_layers[name]), "scales file"
         if ld.spec.layout != "scales-file":  # a quantized checkpoint should have held it
             ld.report.warn(
-                f"{name}.weight: weight scale missing from the checkpoint; taken from {ld.file_path.name}"
+                f"{name}.weight: weight scale missing from the checkpoint; taken from {ld.file_path.name}",
+                depth=2,
             )
     return scale, source
 
@@ -330,7 +331,7 @@ def _quantized_weight(w: torch.Tensor, w_name: str, name: str, scale: torch.Tens
     q, stats = quantize_weight(w, sch, name=w_name, scale=given)
     if given is None:
         ld.report.warn(
-            f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight"
+            f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight", depth=2
         )
     return q, stats.relative_error
 
@@ -348,10 +349,12 @@ def _input_scale(name: str, ml: ModuleLayout, ld: _Loading) -> torch.Tensor | No
     if name in ld.file_layers and input_scale_tensor(ld.file_layers[name]) is not None:
         if ld.spec.layout != "scales-file":
             ld.report.warn(
-                f"{name}.{INPUT_SCALE} missing from the checkpoint; taken from {ld.file_path.name}"
+                f"{name}.{INPUT_SCALE} missing from the checkpoint; taken from {ld.file_path.name}", depth=2
             )
         return input_scale_tensor(ld.file_layers[name])
-    ld.report.warn(f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales")
+    ld.report.warn(
+        f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales", depth=2
+    )
     return None
 
 
@@ -365,7 +368,7 @@ def _place_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], report:
         try:
             model.get_submodule(owner).register_buffer(attr, tensors.pop(name).float())
         except AttributeError:
-            report.warn(f"{name}: no module {owner!r} to hold it; ignored")
+            report.warn(f"{name}: no module {owner!r} to hold it; ignored", depth=1)
 
 
 def _assign_the_rest(model: nn.Module, tensors: dict[str, torch.Tensor], root: Path, report: ConversionReport) -> None:  # fmt: skip
@@ -384,5 +387,6 @@ def _assign_the_rest(model: nn.Module, tensors: dict[str, torch.Tensor], root: P
     unexpected = [n for n in unexpected if n not in own_buffers]
     if unexpected:
         report.warn(
-            f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}"
+            f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}",
+            depth=1,
         )

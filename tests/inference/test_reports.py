@@ -1,5 +1,6 @@
 """Inference reports say the real kind: the family of each quantized layer's scheme ("fp8:" / "fp4:"
-in its precision), and for the report "fp8", "fp4", or "mixed" when a checkpoint holds both."""
+in its precision), and for the report "fp8", "fp4", or "mixed" when a checkpoint holds both; their
+warnings point at the caller's line."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from torch import nn
 
 from mixprec.conversion import SCHEMA_VERSION, ConversionReport
+from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.runtime.online import apply_scheme_
 
 
@@ -35,3 +37,11 @@ def test_a_report_of_both_families_is_mixed_and_says_each_layers_kind():
 def test_a_training_report_keeps_its_recipes_kind():
     report = ConversionReport(recipe="bf16", kind="bf16-amp", device="cpu", param_dtype="float32")
     assert report.to_dict()["kind"] == "bf16-amp"
+
+
+def test_quantize_warnings_point_at_the_callers_line(llama_dir, tmp_path):
+    """Warnings raised by the pipeline's steps are attributed to the line that called
+    quantize_checkpoint, as before the pipeline was cut into steps."""
+    with pytest.warns(UserWarning, match="no Linear weight") as record:
+        quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-dynamic", ignore=["re:.*"], progress=False)
+    assert {w.filename for w in record if "no Linear weight" in str(w.message)} == {__file__}
