@@ -265,9 +265,20 @@ def tensor_names(layout: str) -> dict[str, str]:
     raise MixprecError(f"unknown checkpoint format {layout!r}; known: {', '.join(LAYOUTS)}")
 
 
-def planned_tensors(module: str, shape: tuple[int, int], scheme: InferenceScheme) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:  # fmt: skip
-    """(name, dtype, shape) of the tensors one quantized Linear [out, in] has in the layout, in order."""
+def planned_tensors(module: str, shape: tuple[int, int], scheme: InferenceScheme, layout: str = "compressed-tensors") -> list[tuple[str, torch.dtype, tuple[int, ...]]]:  # fmt: skip
+    """(name, dtype, shape) of the tensors one quantized Linear [out, in] has in `layout`, in the order
+    they are written: the payload, its scales (fp32 for the fp8-* schemes; E4M3 or E8M0 blocks and
+    NVFP4's global scale for the block formats), a static input scale."""
     out_f, in_f = shape
+    if scheme.is_fp8:
+        names = tensor_names(layout)
+        tensors = [
+            (f"{module}.{names[WEIGHT]}", torch.float8_e4m3fn, (out_f, in_f)),
+            (f"{module}.{names[WEIGHT_SCALE]}", torch.float32, scheme.scale_shape(out_f, in_f)),
+        ]
+        if scheme.needs_calibration:
+            tensors.append((f"{module}.{names[INPUT_SCALE]}", torch.float32, (1,)))
+        return tensors
     grid = scheme.weight_granularity.scale_shape(out_f, in_f)
     nv = scheme.weight_granularity.scale_format == "e4m3"
     if scheme.fmt.bits == 4:

@@ -29,7 +29,7 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs, layout
-from mixprec.inference.checkpoint.layout import INPUT_SCALE, K_SCALE, V_SCALE, WEIGHT_SCALE, planned_tensors
+from mixprec.inference.checkpoint.layout import K_SCALE, V_SCALE, planned_tensors
 from mixprec.inference.checkpoint.linear_weights import LinearWeights, find_linear_weights
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, publish
 from mixprec.inference.checkpoint.safetensors_io import (
@@ -165,18 +165,8 @@ def plan_tensors(job: QuantizeJob, ckpt: Checkpoint, selection: Selection, calib
     planned: list[PlannedTensor] = []
     for n, info in ckpt.tensors.items():
         module = n[: -len(".weight")] if n.endswith(".weight") else None
-        if module in targets and not schemes[module].is_fp8:  # NVFP4 / MX: the layout table's tensors
-            planned += [PlannedTensor(*t) for t in planned_tensors(module, targets[module], schemes[module])]
-        elif module in targets:
-            out_f, in_f = targets[module]
-            planned.append(PlannedTensor(n, torch.float8_e4m3fn, info.shape))
-            planned.append(
-                PlannedTensor(
-                    f"{module}.{names[WEIGHT_SCALE]}", torch.float32, schemes[module].scale_shape(out_f, in_f)
-                )
-            )
-            if schemes[module].needs_calibration:
-                planned.append(PlannedTensor(f"{module}.{names[INPUT_SCALE]}", torch.float32, (1,)))
+        if module in targets:  # the layout table's tensors, in the order they are written
+            planned += [PlannedTensor(*t) for t in planned_tensors(module, targets[module], schemes[module], job.format)]  # fmt: skip
         else:
             planned.append(PlannedTensor(n, info.dtype, info.shape))
     kv_tensors: dict[str, torch.Tensor] = {}
