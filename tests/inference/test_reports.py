@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+import mixprec
+import mixprec.inference
 from mixprec.conversion import SCHEMA_VERSION, ConversionReport
 from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.runtime.online import apply_scheme_
@@ -45,3 +47,14 @@ def test_quantize_warnings_point_at_the_callers_line(llama_dir, tmp_path):
     with pytest.warns(UserWarning, match="no Linear weight") as record:
         quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-dynamic", ignore=["re:.*"], progress=False)
     assert {w.filename for w in record if "no Linear weight" in str(w.message)} == {__file__}
+
+
+def test_one_quantize_model_():
+    """The package root's quantize_model_ is the one public entry; the inference wing's own is
+    apply_scheme_, which mixprec.inference does not export."""
+    assert mixprec.quantize_model_.__module__ == "mixprec.sensitivity.automatic"
+    assert "quantize_model_" not in mixprec.inference.__all__
+    with pytest.raises(AttributeError):
+        mixprec.inference.quantize_model_  # noqa: B018
+    report = mixprec.quantize_model_(nn.Sequential(nn.Linear(64, 32)), "nvfp4a16")
+    assert report.to_dict()["kind"] == "fp4"
