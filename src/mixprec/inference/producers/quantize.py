@@ -28,7 +28,7 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.calibration.run import StopRule
-from mixprec.inference.checkpoint import configs, layout
+from mixprec.inference.checkpoint import configs
 from mixprec.inference.checkpoint.layout import K_SCALE, V_SCALE, planned_tensors
 from mixprec.inference.checkpoint.linear_weights import LinearWeights, find_linear_weights
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, publish
@@ -148,11 +148,10 @@ def select(job: QuantizeJob, source: Source, report: ConversionReport) -> Select
 
 @dataclass(frozen=True)
 class Plan:
-    """Every output tensor in order (what the shard writer is planned with), the layout's tensor names
-    (role -> suffix), and the KV-cache scales with their scales-file entries."""
+    """Every output tensor in order (what the shard writer is planned with), and the KV-cache scales
+    with their scales-file entries."""
 
     tensors: list[PlannedTensor]
-    names: dict[str, str]
     kv_tensors: dict[str, torch.Tensor]
     kv_doc: dict[str, dict[str, float]]
 
@@ -161,7 +160,6 @@ def plan_tensors(job: QuantizeJob, ckpt: Checkpoint, selection: Selection, calib
     """Plan every output tensor: each input tensor in file order (a quantized Linear's weight as the
     layout table's tensors), then the KV-cache scales."""
     targets, schemes = selection.targets, selection.schemes
-    names = layout.tensor_names(job.format)
     planned: list[PlannedTensor] = []
     for n, info in ckpt.tensors.items():
         module = n[: -len(".weight")] if n.endswith(".weight") else None
@@ -177,7 +175,7 @@ def plan_tensors(job: QuantizeJob, ckpt: Checkpoint, selection: Selection, calib
         kv_tensors[f"{attn}.{K_SCALE}"], kv_tensors[f"{attn}.{V_SCALE}"] = ks, vs
         kv_doc[attn] = {K_SCALE: float(ks), V_SCALE: float(vs), "k_amax": ka, "v_amax": va}
     planned += [PlannedTensor(n, torch.float32, (1,)) for n in kv_tensors]
-    return Plan(planned, names, kv_tensors, kv_doc)
+    return Plan(planned, kv_tensors, kv_doc)
 
 
 def write(job: QuantizeJob, source: Source, selection: Selection, calibration: Calibration, plan: Plan,
@@ -187,7 +185,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
 
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
-    stream = StreamPlan(selection.targets, schemes, plan.names, calibration.input_amax,
+    stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
                         weight_global_scales(ckpt, selection.targets, schemes))  # fmt: skip
 
     def write_tensors(writer: PlannedShardWriter) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from mixprec.conversion import ConversionReport
 from mixprec.formats import E4M3
-from mixprec.inference.checkpoint.layout import INPUT_SCALE, WEIGHT_SCALE
+from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, PlannedShardWriter, ShardReader
 from mixprec.inference.checkpoint.scales_file import layer_entry
@@ -36,11 +36,11 @@ COPY_CHUNK_BYTES = 16 << 20
 @dataclass(frozen=True)
 class StreamPlan:
     """What streaming needs to know: the Linears quantized ({name: (out, in)}) and their schemes, the
-    layout's tensor names (role -> suffix), calibrated input amax, NVFP4's shared global scales."""
+    checkpoint layout they are written in, calibrated input amax, NVFP4's shared global scales."""
 
     targets: dict[str, tuple[int, int]]
     schemes: dict[str, InferenceScheme]
-    names: dict[str, str]
+    layout: str
     input_amax: dict[str, float]
     weight_globals: dict[str, torch.Tensor]
 
@@ -115,7 +115,7 @@ class _TaskQueue:
             module = n[: -len(".weight")] if n.endswith(".weight") else None
             if module in p.targets:
                 fut = self.pool.submit(
-                    _quantize_task, self.reader, info, module, p.targets[module], p.schemes[module], p.names,
+                    _quantize_task, self.reader, info, module, p.targets[module], p.schemes[module], p.layout,
                     p.input_amax.get(module), self.in_pool, self.out_pool, p.weight_globals.get(module),
                 )  # fmt: skip
                 self.pending.append((info, module, fut))
@@ -180,7 +180,7 @@ def _quantize_task(
     module: str,
     shape: tuple[int, int],
     sch: InferenceScheme,
-    names: dict[str, str],
+    layout: str,
     in_amax: float | None,
     in_pool: _BufferPool,
     out_pool: _BufferPool,
@@ -198,14 +198,13 @@ def _quantize_task(
         q, stats = quantize_weight(w, sch, name=info.name, out=data)
     finally:
         in_pool.release(buf)
-    out = [
-        (info.name, q.data),
-        (f"{module}.{names[WEIGHT_SCALE]}", q.scale.reshape(sch.scale_shape(*shape))),
-    ]
+    # named as the layout table planned them: payload, weight scale, input scale
+    names = [name for name, _, _ in planned_tensors(module, shape, sch, layout)]
+    out = [(names[0], q.data), (names[1], q.scale.reshape(sch.scale_shape(*shape)))]
     in_scale = None
     if sch.needs_calibration:
         in_scale = compute_scale(in_amax, E4M3).reshape(1)
-        out.append((f"{module}.{names[INPUT_SCALE]}", in_scale))
+        out.append((names[2], in_scale))
     entry = layer_entry(
         scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
         weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
