@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.inference.safetensors_io import open_checkpoint
+from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
 from mixprec.verdicts import paired_bootstrap
 
 

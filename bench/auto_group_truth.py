@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from auto_heuristic import heuristic  # the same heuristic bench/auto_heuristic.py writes
 from mixprec.hf import load_tokenizer
-from mixprec.inference.calibration import load_texts, token_batches
+from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.sensitivity.allocation import allocate
 from mixprec.sensitivity.automatic import read_scores
 from mixprec.sensitivity.scores import KEPT, candidate_layers, candidate_schemes

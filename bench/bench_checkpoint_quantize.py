@@ -141,7 +141,7 @@ COMPARE = textwrap.dedent(
     """
     import sys, json, torch
     import mixprec
-    from mixprec.inference.linear import QuantizedLinear
+    from mixprec.inference.runtime.linear import QuantizedLinear
     a, b = mixprec.load_quantized(sys.argv[1]), mixprec.load_quantized(sys.argv[2])
     same = total = 0; max_scale_rel = 0.0; n = 0
     for name, m in a.named_modules():

@@ -26,9 +26,9 @@ import torch
 
 from mixprec.data import load_corpus
 from mixprec.hf import load_model, load_tokenizer
-from mixprec.inference.calibration import calibrate
-from mixprec.inference.fp4_layout import input_global_scale
-from mixprec.inference.online import linear_targets, quantize_model_
+from mixprec.inference.calibration.run import calibrate
+from mixprec.inference.checkpoint.block_tensors import input_global_scale
+from mixprec.inference.runtime.online import apply_scheme_, linear_targets
 from mixprec.inference.schemes import SCHEMES, resolve_ignore
 from mixprec.verdicts import paired_bootstrap, perplexity_change
 
@@ -87,7 +87,7 @@ def main() -> None:
                 input_amax = calibrate(ref, [calib], names).input_amax
             scales = {"layers": {n: {"input": {"scale": float(input_global_scale(v, torch.bfloat16))}}
                                  for n, v in input_amax.items()}}  # fmt: skip
-        quantize_model_(cand, name, scales=scales)
+        apply_scheme_(cand, name, scales=scales)
         cand.float()
         nll = block_nll(cand, blocks)
         iv = paired_bootstrap(perplexity_change, ref_nll, nll, tokens, level=0.95, resamples=2000, seed=0)

@@ -446,7 +446,7 @@ def training_section(run: Run) -> None:
 
 
 def inference_section(run: Run) -> None:
-    from mixprec.inference import quantize_model_
+    from mixprec.inference.runtime.online import apply_scheme_
 
     seq = 1024 if run.quick and DEVICE == "cuda" else SEQ
     rows, mem_rows = [], []
@@ -472,7 +472,7 @@ def inference_section(run: Run) -> None:
         try:
             layer = new_layer().eval()
             if scheme:
-                quantize_model_(layer, scheme=scheme)
+                apply_scheme_(layer, scheme=scheme)
             results[label] = {"weight_bytes": linear_bytes(layer)}
             with torch.inference_mode(), kernels_hook(hook):
                 t_prefill = median_ms(lambda layer=layer: layer(x), warmup=2, reps=8)

@@ -263,7 +263,7 @@ def _in_fp32(model):
     than fp32 on CPUs without AVX-512-BF16 (the bf16 values upcast exactly; sums in fp32, as a GPU's)."""
     import torch
 
-    from mixprec.inference.linear import QuantizedLinear
+    from mixprec.inference.runtime.linear import QuantizedLinear
 
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
@@ -324,7 +324,7 @@ def compare(args: argparse.Namespace) -> None:
     import transformers
 
     import mixprec
-    from mixprec.inference.linear import QuantizedLinear
+    from mixprec.inference.runtime.linear import QuantizedLinear
 
     work = Path(args.work)
     plan = json.loads((work / "plan.json").read_text())

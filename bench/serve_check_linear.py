@@ -55,7 +55,7 @@ def capture(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
     import mixprec
-    from mixprec.inference.linear import QuantizedLinear
+    from mixprec.inference.runtime.linear import QuantizedLinear
     from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
     work = Path(args.work)
@@ -139,7 +139,7 @@ def compare(args: argparse.Namespace) -> None:
 
     from mixprec.formats import E4M3
     from mixprec.gemm import scaled_mm
-    from mixprec.inference.linear import QuantizedLinear
+    from mixprec.inference.runtime.linear import QuantizedLinear
     from mixprec.inference.schemes import SCHEMES
     from mixprec.quantization import quantize
     from mixprec.scaling import Granularity, QuantizedTensor

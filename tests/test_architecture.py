@@ -244,7 +244,7 @@ def test_an_upward_import_is_caught():
 def test_a_sideways_import_and_a_private_name_are_caught():
     sources = {
         "mixprec.training.convert": ("from mixprec.inference.schemes import SCHEMES\n", False),
-        "mixprec.inference.linear": ("from mixprec.scaling import _secret\n", False),
+        "mixprec.inference.runtime.linear": ("from mixprec.scaling import _secret\n", False),
     }
     found = violations(sources)
     assert any("sideways (wings -> wings)" in v for v in found), found
@@ -339,6 +339,186 @@ def lazy_tables(src: Path = SRC) -> dict[str, dict[str, dict[str, str]]]:
                         tables = found.setdefault(module_name(path, src), {})
                         tables[target.id] = ast.literal_eval(node.value)
     return found
+
+
+# The rooms of the inference wing, lowest first, held like LAYERS: a module of the wing may import its
+# own room and the rooms below it, never a room beside it or above it. A room is the first name under
+# mixprec.inference (a module file or a sub-package). The wing's package itself is its lazy public
+# namespace, which names every room by design.
+INFERENCE_ROOMS: list[tuple[str, tuple[str, ...]]] = [
+    ("schemes", ("schemes",)),  # what a scheme is: formats, granularities, serving rules
+    ("mixed", ("mixed",)),  # one scheme per Linear (a mixed checkpoint)
+    ("checkpoint", ("checkpoint",)),  # safetensors IO, the layout table, the scales file, publish
+    ("calibration", ("calibration",)),  # data, observers, the run, layer by layer
+    ("runtime", ("runtime",)),  # QuantizedLinear, unfused experts, a live model's quantization
+    ("products", ("producers", "readers")),  # quantize / save / convert; load / inspect
+]
+WING = "mixprec.inference"
+
+
+def room_of(module: str) -> str:
+    """The room of a module of the inference wing ("" for the wing's package itself)."""
+    return module[len(WING) + 1 :].split(".")[0] if module.startswith(WING + ".") else ""
+
+
+def wing_violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """What breaks the order of INFERENCE_ROOMS in {module: (source, is_package)}."""
+    level = {room: i for i, (_, rooms) in enumerate(INFERENCE_ROOMS) for room in rooms}
+    problems = []
+    for module, (source, is_package) in sorted(sources.items()):
+        own = room_of(module)
+        if not own:
+            continue
+        if own not in level:
+            problems.append(f"{module}: room {own!r} is in no row of INFERENCE_ROOMS")
+            continue
+        for imp in imports_of(module, source, is_package):
+            target = room_of(imp.target)
+            if not target or target == own:
+                continue
+            where = f"{module}:{imp.line}"
+            if target not in level:
+                problems.append(f"{where} imports {imp.target}, which is in no room")
+            elif level[target] >= level[own]:
+                direction = "sideways" if level[target] == level[own] else "upward"
+                problems.append(f"{where} imports {imp.target} {direction} ({own} -> {target})")
+    return problems
+
+
+def test_the_inference_wing_keeps_its_rooms_in_order():
+    sources = package_sources()
+    assert wing_violations(sources) == []
+    present = {room_of(m) for m in sources if room_of(m)}
+    assert present == {room for _, rooms in INFERENCE_ROOMS for room in rooms}
+
+
+def test_an_inverted_import_inside_the_wing_is_caught():
+    sources = package_sources()
+    linear, _ = sources["mixprec.inference.runtime.linear"]
+    # a runtime layer reaching into a producer; the checkpoint room into calibration (in a function);
+    # a reader taking a producer's helper (sideways)
+    sources["mixprec.inference.runtime.linear"] = (
+        linear + "\nfrom mixprec.inference.producers.quantize import quantize_checkpoint\n",
+        False,
+    )
+    sources["mixprec.inference.checkpoint.publish"] = (
+        sources["mixprec.inference.checkpoint.publish"][0]
+        + "\ndef _late():\n    from mixprec.inference.calibration.run import calibrate\n",
+        False,
+    )
+    sources["mixprec.inference.readers.load"] = (
+        sources["mixprec.inference.readers.load"][0]
+        + '\n_SAVE = "mixprec.inference.producers.save:save_quantized"\n',
+        False,
+    )
+    found = wing_violations(sources)
+    assert any(
+        "mixprec.inference.runtime.linear:" in v and "upward (runtime -> producers)" in v for v in found
+    ), found
+    assert any(
+        "mixprec.inference.checkpoint.publish:" in v and "upward (checkpoint -> calibration)" in v
+        for v in found
+    ), found
+    assert any(
+        "mixprec.inference.readers.load:" in v and "sideways (readers -> producers)" in v for v in found
+    ), found
+
+
+# The one module that may spell checkpoint tensor names (the layout table); everything else takes them
+# from it. File-format names (model.fp8_scales.json) are no tensor names and stay where they are.
+LAYOUT_MODULE = "mixprec.inference.checkpoint.layout"
+
+
+def tensor_name_strings(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, string) of every string constant — f-string pieces included — equal to a checkpoint
+    tensor name or ending in "." + one: a name spelled outside the layout table."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and any(node.value == n or node.value.endswith("." + n) for n in names)
+        ):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def spelled_tensor_names(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    names = importlib.import_module(LAYOUT_MODULE).TENSOR_NAMES
+    return [
+        f"{module}:{line} spells {value!r}"
+        for module, (source, _) in sorted(sources.items())
+        if module != LAYOUT_MODULE
+        for line, value in tensor_name_strings(source, names)
+    ]
+
+
+def test_checkpoint_tensor_names_are_spelled_only_in_the_layout_table():
+    assert spelled_tensor_names(package_sources()) == []
+
+
+def test_a_tensor_name_spelled_outside_the_layout_table_is_caught():
+    sources = {
+        "mixprec.inference.readers.load": ('def f(m):\n    return f"{m}.weight_scale_2"\n', False),
+        "mixprec.inference.producers.save": ('KEY = "input_global_scale"\n', False),
+        "mixprec.inference.runtime.linear": ('SUFFIX = ".k_scale"\nTEXT = "the k_scale tensors"\n', False),
+        LAYOUT_MODULE: ('WEIGHT_SCALE = "weight_scale"\n', False),
+    }
+    found = spelled_tensor_names(sources)
+    assert found == [
+        "mixprec.inference.producers.save:1 spells 'input_global_scale'",
+        "mixprec.inference.readers.load:2 spells '.weight_scale_2'",
+        "mixprec.inference.runtime.linear:1 spells '.k_scale'",
+    ], found
+
+
+def test_the_runtime_layers_name_their_buffers_from_the_layout_table():
+    layout = importlib.import_module(LAYOUT_MODULE)
+    linear = importlib.import_module("mixprec.inference.runtime.linear")
+    schemes = importlib.import_module("mixprec.inference.schemes")
+    torch = importlib.import_module("torch")
+    for name in ("fp8-static", "fp8-block", "nvfp4", "mxfp8"):
+        layer = linear.QuantizedLinear.from_linear(torch.nn.Linear(64, 32, bias=False), schemes.SCHEMES[name])
+        buffers = {b for b, _ in layer.named_buffers()}
+        assert buffers and buffers <= {layout.WEIGHT, *layout.TENSOR_NAMES}, (name, buffers)
+
+
+WING_FUNCTION_LINES = 80  # every function of the inference wing, its docstring included
+PIPELINE_LINES = 60  # quantize_checkpoint: the pipeline over its job
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """{function name: lines from its `def` to its last line} of every function and method."""
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+
+
+def test_the_inference_wing_reads_as_short_steps():
+    sources = package_sources()
+    long = {
+        f"{module}.{name}": n
+        for module, (source, _) in sources.items()
+        if module == WING or module.startswith(WING + ".")
+        for name, n in function_lengths(source).items()
+        if n > WING_FUNCTION_LINES
+    }
+    assert long == {}
+    quantize, _ = sources["mixprec.inference.producers.quantize"]
+    assert function_lengths(quantize)["quantize_checkpoint"] <= PIPELINE_LINES
+
+
+def test_a_long_function_is_measured():
+    body = "".join(f"    x{i} = {i}\n" for i in range(90))
+    assert function_lengths(f"def f():\n{body}\n\nclass C:\n    def g(self):\n        return 1\n") == {
+        "f": 91,
+        "g": 2,
+    }
+
+
+LAZY_PACKAGES = ("mixprec", "mixprec.training", "mixprec.inference")
 
 
 LAZY = lazy_tables()

@@ -12,7 +12,7 @@ import torch
 
 import mixprec
 from mixprec.errors import MixprecError
-from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.select import fused_groups
 from mixprec.sensitivity.auto_report import write_auto_report

@@ -10,7 +10,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.gemm import FP8_DIM_MULTIPLE, fp8_gemm_dims_ok
-from mixprec.inference.online import linear_targets
+from mixprec.inference.runtime.online import linear_targets
 from mixprec.inference.schemes import DEFAULT_IGNORE, InferenceScheme, resolve_ignore, skip_reason
 from mixprec.select import (
     check_pattern,

@@ -28,7 +28,7 @@ _EXPORTS = {
     "export_for_inference": "mixprec.training:export_for_inference",
     "load_quantized": "mixprec.inference:load_quantized",
     # scheme "auto" chooses per layer (mixprec.sensitivity, above the inference wing); others go on to
-    # mixprec.inference.quantize_model_ unchanged
+    # the inference wing's apply_scheme_ (mixprec.inference.runtime.online) unchanged
     "quantize_model_": "mixprec.sensitivity.automatic:quantize_model_",
     "quantize_checkpoint": "mixprec.inference:quantize_checkpoint",
     "save_quantized": "mixprec.inference:save_quantized",

@@ -17,7 +17,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 
-SCHEMA_VERSION = 3  # 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
+SCHEMA_VERSION = 4  # 4: inference reports say the real kind (fp8 / fp4 / mixed) and each layer its own; 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
+# the precision prefixes of a quantized module: the family of its format
+QUANTIZED_KINDS = ("fp8", "fp4")
 
 
 @dataclass
@@ -36,7 +38,7 @@ class ModuleEntry:
 @dataclass
 class ConversionReport:
     recipe: str
-    kind: str  # fp8, bf16, bf16-amp, fp16-amp, fp32
+    kind: str  # training: fp8, fp4, bf16, bf16-amp, fp16-amp, fp32; inference: fp8, fp4, mixed (see reported_kind)
     device: str
     param_dtype: str
     entries: list[ModuleEntry] = field(default_factory=list)
@@ -52,24 +54,28 @@ class ConversionReport:
     calibration: dict[str, Any] | None = None  # what calibration ran and why it stopped (static schemes)
 
     # ---- building (inference) --------------------------------------------------------------------
-    def add_fp8(
-        self, name: str, type_: str, num_params: int, stats: dict[str, Any], converted_to: str
+    def add_quantized_linear(
+        self, name: str, type_: str, num_params: int, stats: dict[str, Any], converted_to: str, kind: str
     ) -> None:
-        """A Linear quantized under this report's scheme; `stats` is its scales-file entry."""
+        """A Linear quantized under this report's scheme; `stats` is its scales-file entry and `kind` its
+        scheme's family ("fp8" or "fp4": the precision reads `fp4:nvfp4`)."""
+        if kind not in QUANTIZED_KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {QUANTIZED_KINDS}")
         rel = stats.get("weight", {}).get("relative_error")
         reason = f"rel. weight error {rel:.2e}" if rel is not None else ""
         self.entries.append(
-            ModuleEntry(name, type_, "linear", f"fp8:{self.scheme}", reason, converted_to, num_params)
+            ModuleEntry(name, type_, "linear", f"{kind}:{self.scheme}", reason, converted_to, num_params)
         )
         self.layers[name] = stats
 
     def add_skipped(self, name: str, type_: str, num_params: int, reason: str, role: str = "linear") -> None:
         self.entries.append(ModuleEntry(name, type_, role, f"skipped: {reason}", reason, None, num_params))
 
-    def warn(self, message: str) -> None:
-        """Record a warning in the report and raise it as a UserWarning for the caller."""
+    def warn(self, message: str, *, depth: int = 0) -> None:
+        """Record a warning in the report and raise it as a UserWarning for the caller of the function
+        that warns; `depth`: how many helper calls lie between that function and this call."""
         self.warnings.append(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=3 + depth)
 
     # ---- queries -------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ModuleEntry:
@@ -91,7 +97,17 @@ class ConversionReport:
     @property
     def converted(self) -> list[str]:
         """Modules that run FP8 (or FP4) GEMMs."""
-        return self.names(("fp8", "fp4"))  # type: ignore[arg-type]  (str.startswith takes a tuple)
+        return self.names(QUANTIZED_KINDS)  # type: ignore[arg-type]  (str.startswith takes a tuple)
+
+    @property
+    def reported_kind(self) -> str:
+        """The kind `to_dict` reports. Training: the recipe's kind. Inference: the family of the layers
+        it quantized — "fp8", "fp4", or "mixed" when a checkpoint holds both (each layer's precision
+        says its own) — and the kind it was built with while it quantized none."""
+        if self.scheme is None:
+            return self.kind
+        kinds = {e.precision.split(":")[0] for e in self.entries if e.precision.startswith(QUANTIZED_KINDS)}
+        return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else self.kind)
 
     @property
     def skipped(self) -> list[str]:
@@ -117,7 +133,7 @@ class ConversionReport:
         d = {
             "schema_version": SCHEMA_VERSION,
             "recipe": self.recipe,
-            "kind": self.kind,
+            "kind": self.reported_kind,
             "device": self.device,
             "param_dtype": self.param_dtype,
             "summary": self.summary(),

@@ -14,15 +14,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import (
-    NEVER_STOP_EARLY,
-    MaxObserver,
-    MseObserver,
-    PercentileObserver,
-    StopRule,
-    calibrate,
-    load_texts,
-)
+from mixprec.inference.calibration.data import load_texts
+from mixprec.inference.calibration.observers import MaxObserver, MseObserver, PercentileObserver
+from mixprec.inference.calibration.run import NEVER_STOP_EARLY, StopRule, calibrate
 from mixprec.quantization import fake_quantize
 from mixprec.scaling import Granularity, compute_scale
 
@@ -290,7 +284,7 @@ def test_report_and_scales_file_say_how_much_ran_and_why_it_stopped(llama_dir, c
     report = quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-static", calib_data=calib_file, calib_samples=40,
                                  calib_seq_len=16, calib_stop=StopRule(0.05, 2, 256), progress=False)  # fmt: skip
     cal = report.to_dict()["calibration"]
-    assert report.to_dict()["schema_version"] == 3
+    assert report.to_dict()["schema_version"] == 4
     assert cal["stopped"] in ("converged", "cap") and cal["samples_available"] == 40
     assert cal["tokens"] == cal["samples"] * 16 and cal["batches"] == len(cal["clipped_by_batch"])
     if cal["stopped"] == "converged":
@@ -342,7 +336,7 @@ def test_observing_keys_and_values_keeps_the_attention_mask():
     # transformers builds no attention mask for an implementation name it does not know: the routed
     # attention gets the inner implementation's mask function, so a padded batch stays padded
     transformers = pytest.importorskip("transformers")
-    from mixprec.inference.calibration import kv_attention_patch
+    from mixprec.inference.calibration.run import kv_attention_patch
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip

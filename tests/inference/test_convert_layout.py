@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from mixprec.cli import main
-from mixprec.inference.inspection import inspect_checkpoint
-from mixprec.inference.layout_convert import convert_checkpoint
-from mixprec.inference.layout_tables import reciprocal_f32
-from mixprec.inference.load import load_quantized
-from mixprec.inference.safetensors_io import ShardReader
+from mixprec.inference.checkpoint.layout import reciprocal_f32
+from mixprec.inference.checkpoint.safetensors_io import ShardReader
+from mixprec.inference.producers.convert import convert_checkpoint
+from mixprec.inference.readers.inspection import inspect_checkpoint
+from mixprec.inference.readers.load import load_quantized
 
 DATA = Path(__file__).parent / "data"
 IDS = torch.arange(2, 34).reshape(2, 16)
@@ -260,7 +260,7 @@ def test_payloads_stream_and_are_never_read_whole(tmp_path, monkeypatch):
 def _partial_block_checkpoint(tmp_path: Path) -> Path:
     """mixprec's fp8-block of a tiny Llama whose down_proj [128, 192] has partial 128x128 blocks."""
     transformers = pytest.importorskip("transformers")
-    from mixprec.inference.offline import quantize_checkpoint
+    from mixprec.inference.producers.quantize import quantize_checkpoint
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
@@ -305,7 +305,7 @@ def test_existing_output_and_the_input_itself_are_refused(tmp_path, capsys):
 def test_mixprecs_static_checkpoint_with_kv_scales_to_modelopt_and_back(llama_dir, calib_file, tmp_path):
     """mixprec's own fp8-static + FP8 KV cache (compressed-tensors) -> ModelOpt FP8: the KV scales move
     to k_proj/v_proj as ModelOpt names them, inspect passes both, mixprec's loader gives equal logits."""
-    from mixprec.inference.offline import quantize_checkpoint
+    from mixprec.inference.producers.quantize import quantize_checkpoint
 
     ct = tmp_path / "ct"
     quantize_checkpoint(llama_dir, ct, "fp8-static", calib_data=calib_file, calib_samples=4, calib_seq_len=32,

@@ -17,7 +17,7 @@ from torch import nn
 import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import SCHEMES, QuantizedLinear, quantize_checkpoint
-from mixprec.inference.linear import BlockQuantizedLinear
+from mixprec.inference.runtime.linear import BlockQuantizedLinear
 
 FP4_SCHEMES = ("nvfp4", "nvfp4a16", "mxfp4", "mxfp4a16")
 # what a compressed-tensors checkpoint stores, with the dtypes it stores them in

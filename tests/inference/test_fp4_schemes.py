@@ -1,5 +1,5 @@
 """The block-format inference schemes (nvfp4a16, nvfp4, mxfp4a16, mxfp4, mxfp8): offline streaming,
-online quantize_model_, load_quantized, the emulated forward; compressed-tensors as the oracle."""
+online apply_scheme_, load_quantized, the emulated forward; compressed-tensors as the oracle."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from torch import nn
 
 from mixprec.formats import unpack_nibbles
 from mixprec.hf import load_model
-from mixprec.inference.layouts import ct_quantization_config
-from mixprec.inference.load import load_quantized
-from mixprec.inference.offline import quantize_checkpoint
-from mixprec.inference.online import quantize_model_
-from mixprec.inference.save import save_quantized
+from mixprec.inference.checkpoint.configs import ct_quantization_config
+from mixprec.inference.producers.quantize import quantize_checkpoint
+from mixprec.inference.producers.save import save_quantized
+from mixprec.inference.readers.load import load_quantized
+from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.inference.schemes import BLOCK_DIMS_RULE, SCHEMES
 from mixprec.quantization import quantize
 
@@ -126,7 +126,7 @@ def test_modelopt_nvfp4_loads_by_compressed_tensors_conversion_rule():
 def test_online_equals_offline(written, name):
     offline = load_quantized(written[name])
     online = load_model(SRC, dtype="auto").eval()
-    quantize_model_(online, name)
+    apply_scheme_(online, name)
     a, b = offline.state_dict(), online.state_dict()
     assert set(a) == set(b) and all(torch.equal(_u8(a[k]), _u8(b[k])) for k in a)
     ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -136,7 +136,7 @@ def test_online_equals_offline(written, name):
 def test_nvfp4_w4a4_online_calibrates_input_global_scale_and_emulates_exactly():
     model = load_model(SRC, dtype="auto").eval()
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
-    quantize_model_(model, "nvfp4", calib_data=[ids])
+    apply_scheme_(model, "nvfp4", calib_data=[ids])
     lin = model.model.layers[0].self_attn.q_proj
     k = model.model.layers[0].self_attn.k_proj
     assert torch.equal(lin.input_global_scale, k.input_global_scale)  # the same input
@@ -148,10 +148,10 @@ def test_nvfp4_w4a4_online_calibrates_input_global_scale_and_emulates_exactly():
 
 def test_block_dims_stay_in_high_precision_with_the_reason():
     model = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 48))
-    report = quantize_model_(model, "nvfp4a16")
+    report = apply_scheme_(model, "nvfp4a16")
     assert isinstance(model[0], nn.Linear) and type(model[2]).__name__ == "BlockQuantizedLinear"
     assert BLOCK_DIMS_RULE in report["0"].reason
-    report = quantize_model_(nn.Sequential(nn.Linear(48, 32)), "mxfp4a16")
+    report = apply_scheme_(nn.Sequential(nn.Linear(48, 32)), "mxfp4a16")
     assert "32-element blocks" in report["0"].reason
 
 
@@ -176,7 +176,7 @@ def test_packed_payload_low_nibble_first(written):
 
 def test_save_quantized_round_trips_block_schemes(tmp_path):
     model = load_model(SRC, dtype="auto").eval()
-    quantize_model_(model, "nvfp4a16")
+    apply_scheme_(model, "nvfp4a16")
     save_quantized(model, tmp_path / "saved")
     qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     QuantizationConfig.model_validate(qc)
@@ -188,7 +188,7 @@ def test_save_quantized_round_trips_block_schemes(tmp_path):
 def test_inspect_names_the_engines_that_read_each_block_scheme(written):
     """vLLM reads every FP4/MX compressed-tensors scheme (its CPU build then finds no kernel:
     docs/serving.md); load_quantized reads every scheme mixprec writes."""
-    from mixprec.inference.inspection import inspect_checkpoint
+    from mixprec.inference.readers.inspection import inspect_checkpoint
 
     for name, directory in written.items():
         engines = inspect_checkpoint(directory)["engines"]

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 import mixprec  # noqa: E402
-from mixprec.inference.linear import QuantizedLinear  # noqa: E402
+from mixprec.inference.runtime.linear import QuantizedLinear  # noqa: E402
 from mixprec.scaling import Granularity  # noqa: E402
 
 DATA = Path(__file__).parent / "data"

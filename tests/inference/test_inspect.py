@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mixprec.cli import main
-from mixprec.inference import inspection
-from mixprec.inference.inspection import inspect_checkpoint
-from mixprec.inference.safetensors_io import ShardReader
+from mixprec.inference.checkpoint.safetensors_io import ShardReader
+from mixprec.inference.readers import inspection
+from mixprec.inference.readers.inspection import inspect_checkpoint
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = {

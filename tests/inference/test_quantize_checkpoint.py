@@ -17,8 +17,8 @@ from inference_helpers import load_original, read_tensors, rel_err, tiny_llama
 
 import mixprec
 from mixprec.inference import quantize_checkpoint
-from mixprec.inference.linear import QuantizedLinear
-from mixprec.inference.scales_file import read_scales_file
+from mixprec.inference.checkpoint.scales_file import read_scales_file
+from mixprec.inference.runtime.linear import QuantizedLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,7 +114,7 @@ def test_ignored_tensors_unchanged_and_side_files_copied(quantized, llama_dir):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_online_equals_offline(quantized, llama_dir, calib_file, input_ids, scheme):
-    from mixprec.inference.calibration import load_texts, token_batches
+    from mixprec.inference.calibration.data import load_texts, token_batches
 
     _, out = quantized[scheme]
     offline = mixprec.load_quantized(out)

@@ -55,7 +55,7 @@ def test_linear_by_name_agrees_with_meta_model(model_type):
     transformers = pytest.importorskip("transformers")
     from torch import nn
 
-    from mixprec.inference.linear_weights import _EMBEDDING, LINEAR_BY_NAME_MODEL_TYPES
+    from mixprec.inference.checkpoint.linear_weights import _EMBEDDING, LINEAR_BY_NAME_MODEL_TYPES
 
     assert model_type in LINEAR_BY_NAME_MODEL_TYPES
     cfg = transformers.AutoConfig.for_model(

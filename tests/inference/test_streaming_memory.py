@@ -75,7 +75,7 @@ _MEASURE = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch, transformers
-    from mixprec.inference.offline import quantize_checkpoint
+    from mixprec.inference.producers.quantize import quantize_checkpoint
 
     src, out, warm = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     # warm-up on a one-layer checkpoint: imports, allocator arenas, meta model; what is measured next

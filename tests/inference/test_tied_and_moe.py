@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import quantize_checkpoint
-from mixprec.inference.linear import QuantizedLinear
+from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.schemes import PARTLY_QUANTIZED_RULE
 
 transformers = pytest.importorskip("transformers")
@@ -177,7 +177,7 @@ def test_moe_expert_without_calibration_tokens_is_named(moe_dir, calib_file, tmp
 def test_unrecognised_expert_weights_are_reported_and_warned(moe_dir, tmp_path, monkeypatch):
     """Without the conversion mapping nothing says the per-expert tensors are Linear weights: they stay in
     high precision, but never silently."""
-    from mixprec.inference import linear_weights
+    from mixprec.inference.checkpoint import linear_weights
 
     monkeypatch.setattr(linear_weights, "conversion_transforms", lambda model: ([], []))
     with pytest.warns(UserWarning, match=r"24 weight tensor\(s\) stay in high precision"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from mixprec.inference.layout_convert import convert_checkpoint
-from mixprec.inference.layouts import CONVERT_LAYOUTS
-from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE
+from mixprec.inference.checkpoint.layout import CONVERT_LAYOUTS
+from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
+from mixprec.inference.producers.convert import convert_checkpoint
 
 NAME = "convert"
 HELP = (

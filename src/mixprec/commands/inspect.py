@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mixprec.inference.inspection import check_inspectable, inspect_checkpoint
+from mixprec.inference.readers.inspection import check_inspectable, inspect_checkpoint
 
 NAME = "inspect"
 HELP = (

@@ -8,15 +8,11 @@ import json
 from mixprec.errors import MixprecError
 from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
-from mixprec.inference.calibration import (
-    DEFAULT_MIN_TOKENS,
-    DEFAULT_TOLERANCE,
-    DEFAULT_WINDOW,
-    OBSERVERS,
-    StopRule,
-)
-from mixprec.inference.layouts import LAYOUTS
-from mixprec.inference.offline import DEFAULT_MAX_SHARD_SIZE, quantize_checkpoint
+from mixprec.inference.calibration.observers import OBSERVERS
+from mixprec.inference.calibration.run import DEFAULT_MIN_TOKENS, DEFAULT_TOLERANCE, DEFAULT_WINDOW, StopRule
+from mixprec.inference.checkpoint.layout import LAYOUTS
+from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
+from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.sensitivity.auto_report import write_auto_report
 from mixprec.sensitivity.automatic import auto_quantize_checkpoint

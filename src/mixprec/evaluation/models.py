@@ -15,10 +15,10 @@ from mixprec.errors import MixprecError
 from mixprec.evaluation.inputs import ARCH_KEYS
 from mixprec.evaluation.memory import tensor_bytes_by_dtype, weight_bytes_in_memory, weight_bytes_on_disk
 from mixprec.hf import load_model, model_kind, read_config, vocab_size
-from mixprec.inference.layouts import parse_quantization_config
-from mixprec.inference.load import load_quantized
-from mixprec.inference.online import quantize_model_
-from mixprec.inference.scales_file import find_scales_file
+from mixprec.inference.checkpoint.configs import parse_quantization_config
+from mixprec.inference.checkpoint.scales_file import find_scales_file
+from mixprec.inference.readers.load import load_quantized
+from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.kernels import bf16_cpu
 from mixprec.kernels.hardware import detect
 
@@ -112,7 +112,7 @@ def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Ten
     if scheme == "bf16":
         model = model.to(torch.bfloat16)  # the CPU compute hooks are installed by install_low_precision_hooks
     else:
-        report = quantize_model_(model, scheme, calib_data=calib_batches)
+        report = apply_scheme_(model, scheme, calib_data=calib_batches)
         info["quantization_report"] = _summarize_report(report)
     model.eval()
     return Side(model, f"online:{scheme} of {reference.source}", reference.kind, scheme=scheme, info=info)

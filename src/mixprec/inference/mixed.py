@@ -2,7 +2,7 @@
 chooses), written by `quantize_checkpoint` as one compressed-tensors config group per scheme.
 
 `mixed_assignment` reads the mapping; `apply_assignment` narrows a single-scheme selection (the
-Linears a scheme may take, offline._select) to it: the Linears it does not name stay in high
+Linears a scheme may take, producers.quantize._select) to it: the Linears it does not name stay in high
 precision, each scheme's serving rules (schemes.serving_reasons) apply to its own Linears, and the
 fused-group rule (one decision per q/k/v, gate/up, experts) to all.
 """
@@ -59,7 +59,7 @@ def apply_assignment(
     kept: dict[str, tuple[str, str]],
     layout: str,
 ) -> dict[str, InferenceScheme]:
-    """Narrow the selection (targets, skipped, kept: offline._select's, updated in place) to the
+    """Narrow the selection (targets, skipped, kept: producers.quantize._select's, updated in place) to the
     assignment; returns {target: its scheme}. `linears`: every Linear of the checkpoint."""
     unknown = [n for n in assignment if n not in linears]
     if unknown:

@@ -1,6 +1,6 @@
 """FP8 inference schemes, the default ignore list, and a scheme's weight quantization.
 
-`quantize_weight` turns a high-precision Linear weight into FP8 + scales for a scheme, through the one
+`quantize_weight` turns a high-precision Linear weight into FP8 or FP4 + scales for a scheme, through the one
 quantize entry (mixprec.quantization.quantize_with_stats: on the CPU its tiled backend, bounded memory
 and the error statistics from the same pass). The offline (streaming) path, the online path
 (`quantize_model_`) and the loader all call it, so the same weight gives bit-identical payloads and
@@ -63,6 +63,12 @@ class InferenceScheme:
     def is_fp8(self) -> bool:
         """An fp8-* scheme: E4M3 payload with fp32 scales (the compressed-tensors float-quantized layout)."""
         return self.weight_granularity.scale_format == "fp32"
+
+    @property
+    def family(self) -> str:
+        """ "fp4" (E2M1 payload: NVFP4, MXFP4) or "fp8" (E4M3: the fp8-* schemes, MXFP8): what a
+        ConversionReport calls the kind of a layer quantized with it."""
+        return "fp4" if self.fmt.bits == 4 else "fp8"
 
     @property
     def block_size(self) -> int | None:

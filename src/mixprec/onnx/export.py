@@ -34,9 +34,9 @@ from mixprec.conversion import replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.files import staged_files
 from mixprec.hf import check_model_dir, load_model, model_kind
-from mixprec.inference.linear import QuantizedLinear
-from mixprec.inference.load import load_quantized
-from mixprec.inference.safetensors_io import open_checkpoint
+from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
+from mixprec.inference.readers.load import load_quantized
+from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.onnx.common import MAX_POSITIONS_KEY, MIN_OPSET, check_output, need_onnx, need_ort
 from mixprec.onnx.common import load_model as load_onnx_model
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mixprec.errors import MixprecError
-from mixprec.inference.offline import parse_size
+from mixprec.inference.checkpoint.publish import parse_size
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.sensitivity.scores import KEPT, Scores
 

@@ -36,10 +36,10 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.files import write_json_atomic
 from mixprec.hf import config_dtype, load_model, load_tokenizer, read_config
-from mixprec.inference.calibration import load_texts, token_batches
-from mixprec.inference.offline import quantize_checkpoint
-from mixprec.inference.online import quantize_model_ as quantize_one_scheme
-from mixprec.inference.safetensors_io import open_checkpoint
+from mixprec.inference.calibration.data import load_texts, token_batches
+from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
+from mixprec.inference.producers.quantize import quantize_checkpoint
+from mixprec.inference.runtime.online import apply_scheme_ as quantize_one_scheme
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.progress import ProgressBars
 from mixprec.select import REGEX_PREFIX
@@ -493,7 +493,7 @@ def quantize_model_(
 ) -> ConversionReport:
     """mixprec.quantize_model_: `scheme="auto"` scores the model's Linears on `calib_data` (token-id
     batches of a causal LM), chooses one scheme per fused group under `budget` and quantizes each in
-    place; any other scheme is mixprec.inference.quantize_model_ unchanged. The automatic choice is
+    place; any other scheme is the inference wing's apply_scheme_ (mixprec.inference.runtime.online) unchanged. The automatic choice is
     `report.auto` (an AutoResult without a checkpoint)."""
     if not (isinstance(scheme, str) and scheme.strip().lower() == AUTO):
         if budget is not None:

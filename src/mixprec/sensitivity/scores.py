@@ -39,9 +39,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import NEVER_STOP_EARLY, calibrate
-from mixprec.inference.fp4_layout import fused_global_scales, input_global_scale
-from mixprec.inference.linear import quantized_linear
+from mixprec.inference.calibration.run import NEVER_STOP_EARLY, calibrate
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale
+from mixprec.inference.runtime.linear import quantized_linear
 from mixprec.inference.schemes import (
     SCHEMES,
     InferenceScheme,
@@ -101,7 +101,7 @@ def static_input_amax(
     model: nn.Module, batches: Sequence[Any], names: Sequence[str], candidates: Sequence[InferenceScheme]
 ) -> dict[str, float]:
     """The input amax of every Linear, for the candidates with calibrated input scales (fp8-static,
-    nvfp4's input global scale), from THE calibration (mixprec.inference.calibration.calibrate, max
+    nvfp4's input global scale), from THE calibration (mixprec.inference.calibration.run.calibrate, max
     observer, every batch): what `mixprec quantize` derives its static scales from."""
     if not any(s.needs_calibration for s in candidates):
         return {}
@@ -119,7 +119,7 @@ def candidate_layers(
     """{Linear name: {scheme: the inference layer that scheme makes of it}}, built by the inference
     wing itself (quantize_weight + quantized_linear), as the checkpoint will hold it: the weight
     quantized in `weight_dtype` (the checkpoint's; default the model's), NVFP4 weights with the global
-    scale their fused GEMM shares (fp4_layout.fused_global_scales), static input scales from
+    scale their fused GEMM shares (checkpoint.block_tensors.fused_global_scales), static input scales from
     `input_amax` (fp8-static: amax / 448; nvfp4: its input global scale)."""
     modules = dict(model.named_modules())
     dtype = weight_dtype or next(model.parameters()).dtype

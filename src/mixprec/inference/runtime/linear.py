@@ -16,6 +16,14 @@ from torch import nn
 
 from mixprec.formats import E4M3, pack_nibbles, pow2, unpack_nibbles
 from mixprec.gemm import scaled_mm
+from mixprec.inference.checkpoint.layout import (
+    INPUT_GLOBAL_SCALE,
+    INPUT_SCALE,
+    WEIGHT,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+)
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.quantization import quantize
 from mixprec.scaling import Granularity, QuantizedTensor
@@ -40,11 +48,9 @@ class QuantizedLinear(nn.Module):
         self.scheme = scheme
         self.out_dtype = out_dtype  # the original Linear's dtype: outputs come back in it
         self.weight_granularity: Granularity = weight.granularity
-        self.register_buffer("weight", weight.data)
-        self.register_buffer("weight_scale", weight.scale.float())
-        self.register_buffer(
-            "input_scale", None if input_scale is None else input_scale.float().reshape(1, 1)
-        )
+        self.register_buffer(WEIGHT, weight.data)
+        self.register_buffer(WEIGHT_SCALE, weight.scale.float())
+        self.register_buffer(INPUT_SCALE, None if input_scale is None else input_scale.float().reshape(1, 1))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)
         self._observer = None
         self._observer_name: str | None = None
@@ -67,7 +73,7 @@ class QuantizedLinear(nn.Module):
         )
 
     # ---- casts and moves -------------------------------------------------------------------------
-    _QUANTIZED_BUFFERS = ("weight", "weight_scale", "input_scale")
+    _QUANTIZED_BUFFERS = (WEIGHT, WEIGHT_SCALE, INPUT_SCALE)
     _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
     def _apply(self, fn, recurse=True):
@@ -150,13 +156,7 @@ class BlockQuantizedLinear(QuantizedLinear):
     entry and run the GEMM seam (mixprec.gemm.scaled_mm, fp32 accumulation).
     """
 
-    _QUANTIZED_BUFFERS = (
-        "weight_packed",
-        "weight",
-        "weight_scale",
-        "weight_global_scale",
-        "input_global_scale",
-    )
+    _QUANTIZED_BUFFERS = (WEIGHT_PACKED, WEIGHT, WEIGHT_SCALE, WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE)
 
     def __init__(
         self,
@@ -175,16 +175,16 @@ class BlockQuantizedLinear(QuantizedLinear):
         self.weight_granularity = weight.granularity
         self.fmt = weight.fmt
         packed = weight.fmt.bits == 4
-        self.register_buffer("weight_packed", pack_nibbles(weight.data) if packed else None)
-        self.register_buffer("weight", None if packed else weight.data)
+        self.register_buffer(WEIGHT_PACKED, pack_nibbles(weight.data) if packed else None)
+        self.register_buffer(WEIGHT, None if packed else weight.data)
         e4m3 = weight.granularity.scale_format == "e4m3"
-        self.register_buffer("weight_scale", weight.scale_e4m3() if e4m3 else weight.scale_e8m0())
+        self.register_buffer(WEIGHT_SCALE, weight.scale_e4m3() if e4m3 else weight.scale_e8m0())
         self.register_buffer(
-            "weight_global_scale",
+            WEIGHT_GLOBAL_SCALE,
             None if weight.global_scale is None else weight.global_scale.float().reshape(1),
         )
         self.register_buffer(
-            "input_global_scale", None if input_scale is None else input_scale.float().reshape(1)
+            INPUT_GLOBAL_SCALE, None if input_scale is None else input_scale.float().reshape(1)
         )
         self.input_scale = None  # no static FP8 input scale (the protocol of QuantizedLinear)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)

@@ -24,6 +24,8 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
+from mixprec.inference.checkpoint.layout import INPUT_SCALE, K_SCALE, V_SCALE, WEIGHT_SCALE
+from mixprec.inference.schemes import InferenceScheme
 
 SCHEMA_VERSION = (
     3  # 3: the stop rule watches the clipped share (clipped, clipped_by_batch); 2: calibration records
@@ -71,6 +73,18 @@ def layer_entry(
     if input_amax is not None:
         entry["input"]["amax"] = float(input_amax)
     return entry
+
+
+def compact_entry(q, sch: InferenceScheme, stats, shape, in_global: torch.Tensor | None, in_amax) -> dict[str, Any]:  # fmt: skip
+    """The report entry of a block-format layer: its global scale (NVFP4) instead of the millions of
+    block scales the checkpoint itself holds."""
+    scale = q.global_scale.reshape(1) if q.global_scale is not None else torch.empty(0)
+    return layer_entry(
+        scheme=sch.name, weight_granularity=f"{sch.weight_granularity.name} (global scale)", weight_scale=scale,
+        weight_amax=stats.amax if stats is not None else float("nan"),
+        relative_weight_error=stats.relative_error if stats is not None else float("nan"), shape=tuple(shape),
+        input_scale=in_global, input_amax=in_amax, input_dynamic=True, input_granularity=sch.input_granularity.name,
+    )  # fmt: skip
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -174,7 +188,7 @@ def validate_document(doc: Any, path: str = "<scales>") -> dict[str, Any]:
     for name, e in kv.items():
         if not isinstance(e, dict):
             raise _bad(path, f"kv_cache[{name!r}] must be an object")
-        for k in ("k_scale", "v_scale"):
+        for k in (K_SCALE, V_SCALE):
             if k in e:
                 _positive_finite(e[k], path, f"kv_cache[{name!r}].{k}")
     return doc
@@ -285,17 +299,17 @@ def normalize_hand_scales(scales: Any) -> dict[str, Any]:
     layers: dict[str, Any] = {}
     for name, v in scales.items():
         if isinstance(v, (int, float, torch.Tensor, list)):
-            v = {"weight_scale": v}
+            v = {WEIGHT_SCALE: v}
         if not isinstance(v, dict):
             raise MixprecError(f"scales[{name!r}] must be a number, tensor or dict, got {type(v).__name__}")
         entry: dict[str, Any] = {}
-        if "weight_scale" in v:
-            ws = torch.as_tensor(v["weight_scale"], dtype=torch.float32)
+        if WEIGHT_SCALE in v:
+            ws = torch.as_tensor(v[WEIGHT_SCALE], dtype=torch.float32)
             entry["weight"] = {"scale": ws.flatten().tolist(), "scale_shape": list(ws.shape) or [1]}
-        if "input_scale" in v:
+        if INPUT_SCALE in v:
             entry["input"] = {
                 "dynamic": False,
-                "scale": float(torch.as_tensor(v["input_scale"]).reshape(-1)[0]),
+                "scale": float(torch.as_tensor(v[INPUT_SCALE]).reshape(-1)[0]),
             }
         layers[name] = entry
     return validate_document({"schema_version": SCHEMA_VERSION, "layers": layers}, "scales=")

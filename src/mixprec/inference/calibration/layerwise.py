@@ -22,15 +22,9 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
-from mixprec.inference.calibration import (
-    CalibrationResult,
-    CalibrationRun,
-    MaxObserver,
-    Observer,
-    kv_attention_patch,
-    make_observer,
-)
-from mixprec.inference.safetensors_io import Checkpoint, ShardReader
+from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
+from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
 
@@ -65,22 +59,8 @@ def calibrate_layerwise(
     stop rule needs every layer's amax after each batch, and here block i sees batch k long after
     block 0 did); returns (the result, the skeleton)."""
     started = time.perf_counter()
-    model = build_model(config, source=model_dir).eval()
-    known = set(model.state_dict())
-    unknown = [n for n in ckpt.tensors if n not in known]
-    # blocks are filled by checkpoint name: tensors the model names differently (MoE experts) would stay empty
-    if unknown:
-        raise MixprecError(
-            f"layer-by-layer calibration loads tensors by their checkpoint names, and {type(model).__name__} "
-            f"names {len(unknown)} of them differently (e.g. {unknown[0]!r}); pass --no-layer-by-layer"
-        )
-    prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
+    model, prefix, blocks = _skeleton(model_dir, config, ckpt, linear_names)
     outside = [n for n in ckpt.tensors if not n.startswith(prefix + ".")]
-    stray = [n for n in linear_names if not n.startswith(prefix + ".")]
-    if stray:
-        raise MixprecError(
-            f"layer-by-layer calibration observes Linears inside {prefix} only; also asked: {stray[:3]}"
-        )
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
     undo = kv_attention_patch(model, kv_obs) if kv_cache else None
@@ -88,42 +68,23 @@ def calibrate_layerwise(
         raise MixprecError(
             "--kv-cache fp8 needs a transformers attention model (key/value states to observe)"
         )
-    captured: list[tuple[tuple, dict]] = []
-
-    def capture(_mod, args, kwargs):
-        captured.append((args, kwargs))
-        raise _Captured
-
     try:
         with ShardReader() as reader, torch.no_grad(), contextlib.ExitStack() as fp32_gemms:
             _load_into(model, ckpt, outside, reader)
             # GEMMs in fp32 rounded to the model dtype on CPUs without fast bf16, as in `calibrate` (decided
             # now that the parts outside the blocks, the embeddings first, are on the CPU)
             fp32_gemms.enter_context(gemms_in_fp32(model))
-            hook = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
-            try:
-                for b in batches:
-                    with contextlib.suppress(_Captured):
-                        model(input_ids=b, use_cache=False)
-            finally:
-                hook.remove()
+            captured = _block_inputs(model, blocks[0], batches)
             modules = dict(model.named_modules())
             for i, block in enumerate(blocks):
                 own = f"{prefix}.{i}."
                 _load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
-                handles = []
-                for n in (n for n in linear_names if n.startswith(own)):
-
-                    def hook_fn(_m, args, _o=observers[n]):
-                        _o.update(args[0])
-
-                    handles.append(modules[n].register_forward_pre_hook(hook_fn))
-                nxt = []
-                for args, kwargs in captured:
-                    out = block(*args, **kwargs)
-                    hidden = out[0] if isinstance(out, tuple) else out
-                    nxt.append(((hidden, *args[1:]), kwargs))
-                captured = nxt
+                handles = [
+                    modules[n].register_forward_pre_hook(_observing(observers[n]))
+                    for n in linear_names
+                    if n.startswith(own)
+                ]
+                captured = _run_block(block, captured)
                 for h in handles:
                     h.remove()
                 block.to("meta")  # drop this block's weights
@@ -146,6 +107,64 @@ def calibrate_layerwise(
         clipped=None, max_change=None, seconds=round(time.perf_counter() - started, 3),
     )  # fmt: skip
     return CalibrationResult(amax, kv, run), model
+
+
+def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_names: Sequence[str]) -> tuple[nn.Module, str, list[nn.Module]]:  # fmt: skip
+    """(the model built on the meta device, the name of its block list, its blocks), refused when the
+    checkpoint names tensors differently or a Linear to observe lies outside the blocks."""
+    model = build_model(config, source=model_dir).eval()
+    known = set(model.state_dict())
+    unknown = [n for n in ckpt.tensors if n not in known]
+    # blocks are filled by checkpoint name: tensors the model names differently (MoE experts) would stay empty
+    if unknown:
+        raise MixprecError(
+            f"layer-by-layer calibration loads tensors by their checkpoint names, and {type(model).__name__} "
+            f"names {len(unknown)} of them differently (e.g. {unknown[0]!r}); pass --no-layer-by-layer"
+        )
+    prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
+    stray = [n for n in linear_names if not n.startswith(prefix + ".")]
+    if stray:
+        raise MixprecError(
+            f"layer-by-layer calibration observes Linears inside {prefix} only; also asked: {stray[:3]}"
+        )
+    return model, prefix, blocks
+
+
+def _block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Tensor]) -> list[tuple[tuple, dict]]:  # fmt: skip
+    """The arguments the first block receives for each batch (the forward stops there)."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(_mod, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Captured
+
+    hook = first.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for b in batches:
+            with contextlib.suppress(_Captured):
+                model(input_ids=b, use_cache=False)
+    finally:
+        hook.remove()
+    return captured
+
+
+def _observing(observer: Observer):
+    """A forward pre-hook handing a Linear's input to its observer."""
+
+    def hook_fn(_m, args):
+        observer.update(args[0])
+
+    return hook_fn
+
+
+def _run_block(block: nn.Module, captured: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """Run `block` on each captured input: the next block's inputs (its hidden states, the rest as given)."""
+    nxt = []
+    for args, kwargs in captured:
+        out = block(*args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        nxt.append(((hidden, *args[1:]), kwargs))
+    return nxt
 
 
 __all__ = ["MaxObserver", "calibrate_layerwise"]

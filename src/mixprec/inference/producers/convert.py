@@ -11,7 +11,7 @@ Face fp8, ModelOpt) where the target can hold its schemes, with the numerics kep
   correctly rounded reciprocal is within one ulp of the start); every other tensor round-trips bit
   for bit.
 
-A scheme the target cannot hold (layout_tables.holds) is a MixprecError naming the layer and why,
+A scheme the target cannot hold (layout.holds) is a MixprecError naming the layer and why,
 raised before anything is written. Tensors stream from the input shards to planned output shards
 (safetensors_io) inside an atomic output directory (mixprec.files), as `mixprec quantize` writes.
 """
@@ -26,28 +26,28 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.files import atomic_output_dir, write_json_atomic
+from mixprec.files import write_json_atomic
 from mixprec.hf import read_config
-from mixprec.inference.layout_tables import (
+from mixprec.inference.checkpoint.configs import LayoutConfig, ct_group_args, read_layout_config
+from mixprec.inference.checkpoint.layout import (
+    CONVERT_LAYOUTS,
     FP4_GROUP,
+    K_SCALE,
     MODELOPT_ALGOS,
-    LayoutConfig,
+    MODELOPT_CONFIG_NAME,
+    V_SCALE,
     StoredScheme,
     TensorSpec,
     attention_of_kv_scale,
-    expand_ignore,
     holds,
     kv_scale_names,
     kv_scale_shape,
-    module_names,
     module_tensors,
-    quantized_modules,
-    read_layout_config,
     reciprocal_f32,
 )
-from mixprec.inference.layouts import CONVERT_LAYOUTS, MODELOPT_CONFIG_NAME, ct_group_args
-from mixprec.inference.offline import parse_size
-from mixprec.inference.safetensors_io import (
+from mixprec.inference.checkpoint.publish import parse_size, publish
+from mixprec.inference.checkpoint.safetensors_io import (
+    Checkpoint,
     PlannedShardWriter,
     PlannedTensor,
     ShardReader,
@@ -55,8 +55,12 @@ from mixprec.inference.safetensors_io import (
     check_output,
     copy_side_files,
     open_checkpoint,
-    plan_shards,
-    write_index,
+)
+from mixprec.inference.checkpoint.stored_modules import (
+    StoredModule,
+    expand_ignore,
+    module_names,
+    quantized_modules,
 )
 from mixprec.progress import progress_bar
 
@@ -102,6 +106,68 @@ def convert_checkpoint(
     mods = quantized_modules(ckpt, cfg)
     if not mods:
         raise MixprecError(f"{src}: no quantized layer found (no FP8/FP4 payload or weight scale tensor)")
+    moves, schemes, renamed, reciprocals = _layer_moves(src, cfg, mods, to)
+    kv = _kv_moves(src, ckpt, to, moves)
+    planned = [
+        PlannedTensor(mv.name, mv.dtype, mv.shape)
+        if (mv := moves.get(n))
+        else PlannedTensor(n, info.dtype, info.shape)
+        for n, info in ckpt.tensors.items()
+    ]
+    ignore = expand_ignore(cfg, module_names(ckpt), set(mods))
+    qc, extra = _quantization_config(
+        to, schemes, ignore, cfg, bool(kv) or cfg.kv_cache, f"mixprec {__version__}"
+    )
+    out_cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    out_cfg["quantization_config"] = qc
+    copied_payload = 0
+
+    def write_tensors(writer: PlannedShardWriter) -> None:
+        nonlocal copied_payload
+        with (
+            ShardReader() as reader,
+            progress_bar(progress, f"converting to {to}", len(planned)) as advance,
+        ):
+            buf = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
+            for n, info in ckpt.tensors.items():
+                mv = moves.get(n)
+                if mv is None or mv.how == "copy":
+                    name = mv.name if mv else n
+                    writer.write_chunks(name, info.dtype, info.shape, _chunks(reader, info, buf))
+                    copied_payload += info.nbytes if mv is not None else 0
+                else:
+                    writer.write(mv.name, _transform(reader.get(info), mv))
+                advance()
+
+    def side_files(tmp: Path) -> list[str]:
+        for fname, doc in extra.items():
+            write_json_atomic(tmp / fname, doc)
+        return copy_side_files(src, tmp, skip={MODELOPT_CONFIG_NAME})
+
+    copied = publish(
+        out, force=force, planned=planned, max_shard_size=max_bytes,
+        producer=f"mixprec {__version__} (convert)", write_tensors=write_tensors, config=lambda: out_cfg,
+        side_files=side_files,
+    )  # fmt: skip
+    summary = {"from": cfg.layout, "to": to, "input": str(src), "output": str(out), "layers": len(mods),
+               "schemes": sorted({s.describe() for s in schemes.values()}), "bytes_copied_unchanged": copied_payload,
+               "scales_renamed": renamed, "scales_reciprocal": reciprocals, "kv_scales": len(kv), "ignore": ignore}  # fmt: skip
+    return _with_notes(summary, src, copied)
+
+
+def _with_notes(summary: dict[str, Any], src: Path, copied: list[str]) -> dict[str, Any]:
+    """The summary document (CONVERT_SCHEMA_VERSION), with what was copied and what was not."""
+    notes = [f"copied {', '.join(copied) or 'no side files'}"]
+    if (src / "model.fp8_scales.json").exists():
+        notes.append(
+            "model.fp8_scales.json (mixprec's record, written for its own layout) was not carried over"
+        )
+    return {"schema_version": CONVERT_SCHEMA_VERSION, **summary, "notes": notes}
+
+
+def _layer_moves(src: Path, cfg: LayoutConfig, mods: dict[str, StoredModule], to: str) -> tuple[dict[str, _Move], dict[str, StoredScheme], int, int]:  # fmt: skip
+    """({input tensor: its move}, {layer: its scheme}, scales renamed, scales reciprocated) of every
+    quantized layer, each checked against the layout table: stored as its scheme says, and holdable in `to`."""
     moves: dict[str, _Move] = {}
     schemes: dict[str, StoredScheme] = {}
     reciprocals = renamed = 0
@@ -136,7 +202,12 @@ def convert_checkpoint(
                 f"{where}: tensor(s) {', '.join(sorted(leftover))} have no place in {m.scheme.describe()} "
                 "and would be lost"
             )
-    kv = [n for n in ckpt.tensors if n.endswith((".k_scale", ".v_scale"))]
+    return moves, schemes, renamed, reciprocals
+
+
+def _kv_moves(src: Path, ckpt: Checkpoint, to: str, moves: dict[str, _Move]) -> list[str]:
+    """The checkpoint's KV-cache scales, each moved (into `moves`) to where `to` keeps it."""
+    kv = [n for n in ckpt.tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]
     if kv and to == "hf-fp8":
         raise MixprecError(
             f"{src} holds KV-cache scales ({kv[0]}); the Hugging Face fp8 layout has no place for them"
@@ -145,69 +216,9 @@ def convert_checkpoint(
         k_name, v_name = kv_scale_names(to, attention_of_kv_scale(n))
         info = ckpt.tensors[n]
         moves[n] = _Move(
-            info, k_name if n.endswith(".k_scale") else v_name, torch.float32, kv_scale_shape(to), "value"
+            info, k_name if n.endswith(f".{K_SCALE}") else v_name, torch.float32, kv_scale_shape(to), "value"
         )
-    planned = []
-    for n, info in ckpt.tensors.items():
-        mv = moves.get(n)
-        planned.append(
-            PlannedTensor(mv.name, mv.dtype, mv.shape) if mv else PlannedTensor(n, info.dtype, info.shape)
-        )
-    ignore = expand_ignore(cfg, module_names(ckpt), set(mods))
-    qc, extra = _quantization_config(
-        to, schemes, ignore, cfg, bool(kv) or cfg.kv_cache, f"mixprec {__version__}"
-    )
-    out_cfg = {k: v for k, v in config.items() if k != "quantization_config"}
-    out_cfg["quantization_config"] = qc
-    copied_payload = 0
-    with atomic_output_dir(out, force) as tmp:
-        writer = PlannedShardWriter(
-            tmp, plan_shards(planned, max_bytes), {"producer": f"mixprec {__version__} (convert)"}
-        )
-        try:
-            with (
-                ShardReader() as reader,
-                progress_bar(progress, f"converting to {to}", len(planned)) as advance,
-            ):
-                buf = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
-                for n, info in ckpt.tensors.items():
-                    mv = moves.get(n)
-                    if mv is None or mv.how == "copy":
-                        name = mv.name if mv else n
-                        writer.write_chunks(name, info.dtype, info.shape, _chunks(reader, info, buf))
-                        copied_payload += info.nbytes if mv is not None else 0
-                    else:
-                        writer.write(mv.name, _transform(reader.get(info), mv))
-                    advance()
-            weight_map = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        write_index(tmp, weight_map, sum(t.nbytes for t in planned))
-        write_json_atomic(tmp / "config.json", out_cfg)
-        for fname, doc in extra.items():
-            write_json_atomic(tmp / fname, doc)
-        copied = copy_side_files(src, tmp, skip={MODELOPT_CONFIG_NAME})
-    notes = [f"copied {', '.join(copied) or 'no side files'}"]
-    if (src / "model.fp8_scales.json").exists():
-        notes.append(
-            "model.fp8_scales.json (mixprec's record, written for its own layout) was not carried over"
-        )
-    return {
-        "schema_version": CONVERT_SCHEMA_VERSION,
-        "from": cfg.layout,
-        "to": to,
-        "input": str(src),
-        "output": str(out),
-        "layers": len(mods),
-        "schemes": sorted({s.describe() for s in schemes.values()}),
-        "bytes_copied_unchanged": copied_payload,
-        "scales_renamed": renamed,
-        "scales_reciprocal": reciprocals,
-        "kv_scales": len(kv),
-        "ignore": ignore,
-        "notes": notes,
-    }
+    return kv
 
 
 def _move(info: TensorInfo, src: TensorSpec, dst: TensorSpec, module: str, to: str) -> _Move:

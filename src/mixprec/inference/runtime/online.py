@@ -1,4 +1,4 @@
-"""Online quantization: turn the Linears of a loaded model into FP8 inference Linears, in place.
+"""Online quantization: turn the Linears of a loaded model into FP8 or FP4 (NVFP4, MX) inference Linears, in place.
 
 No model code changes: modules are swapped on their parents. The high-precision weights are dropped
 (the FP8 payload and scales replace them), so memory really falls.
@@ -16,11 +16,11 @@ from torch import nn
 from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.calibration import StopRule, calibrate, load_texts, token_batches
-from mixprec.inference.fp4_layout import fused_global_scales, input_global_scale
-from mixprec.inference.fp4_offline import compact_entry
-from mixprec.inference.linear import QuantizedLinear, quantized_linear
-from mixprec.inference.scales_file import layer_entry
+from mixprec.inference.calibration.data import load_texts, token_batches
+from mixprec.inference.calibration.run import StopRule, calibrate
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale
+from mixprec.inference.checkpoint.scales_file import compact_entry, layer_entry
+from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
 from mixprec.scaling import compute_scale
 
@@ -63,7 +63,7 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def quantize_model_(
+def apply_scheme_(
     model: nn.Module,
     scheme: str | InferenceScheme = "fp8-dynamic",
     ignore: Sequence[str] | None = None,
@@ -77,11 +77,13 @@ def quantize_model_(
     default_ignore: bool = True,
     stop: StopRule | None = None,
 ) -> ConversionReport:
-    """Quantize `model`'s Linears to FP8 in place and return a ConversionReport.
+    """Quantize `model`'s Linears in place to `scheme` (FP8, or an FP4/MX block format) and return a
+    ConversionReport. The package root's `mixprec.quantize_model_` is the public entry (it also takes
+    scheme "auto"); this is the inference wing's, for one scheme.
 
-    scheme: "fp8-dynamic" | "fp8-static" | "fp8-block". ignore: extra module-name patterns kept in
-    high precision (added to the defaults: lm_head, embeddings, norms, MoE routers). calib_data
-    (fp8-static): an iterable of model inputs (input_ids tensors, dicts of kwargs, tuples), or a text
+    scheme: a name of SCHEMES (fp8-dynamic, fp8-static, fp8-block, nvfp4, nvfp4a16, mxfp4, ...).
+    ignore: extra module-name patterns kept in high precision (added to the defaults: lm_head,
+    embeddings, norms, MoE routers). calib_data (static schemes): an iterable of model inputs (input_ids tensors, dicts of kwargs, tuples), or a text
     path with tokenizer=; calibration stops early once the input amax settle (`stop`, default
     StopRule(); calib_samples is the cap) and `report.calibration` says how much it ran and why it
     stopped. scales: a validated scales document (see scales_file) whose weight/input scales are used
@@ -94,11 +96,10 @@ def quantize_model_(
     layers_in = (scales or {}).get("layers", {})
     param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     report = ConversionReport(
-        recipe=sch.name, kind="fp8", device=str(next((p.device for p in model.parameters()), "cpu")),
+        recipe=sch.name, kind=sch.family, device=str(next((p.device for p in model.parameters()), "cpu")),
         param_dtype=str(param_dtype).replace("torch.", ""), scheme=sch.name,
     )  # fmt: skip
     report.weight_bytes_before = weight_bytes(model)
-
     input_amax: dict[str, float] = {}
     if sch.needs_calibration:
         missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
@@ -116,7 +117,6 @@ def quantize_model_(
                 f"calibrated {len(missing)} input scales with the {observer} observer on {result.run.samples} "
                 f"samples ({result.run.reason})"
             )
-
     was_training = model.training
     # NVFP4: the shards of a fused GEMM (q/k/v, gate/up) share one weight global scale
     nv = [n for n in targets if sch.weight_granularity.scale_format == "e4m3"]
@@ -125,45 +125,7 @@ def quantize_model_(
         param_dtype,
     ) if nv else {}  # fmt: skip
     for name in targets:
-        lin = modules[name]
-        given = layers_in.get(name, {})
-        w_scale = None
-        if given.get("weight") and "scale" in given["weight"]:
-            w_scale = torch.tensor(given["weight"]["scale"], dtype=torch.float32).reshape(
-                given["weight"].get("scale_shape") or [-1]
-            )
-            if w_scale.dim() == 1:
-                w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
-        q, stats = quantize_weight(
-            lin.weight.detach(),
-            sch,
-            name=f"{name}.weight",
-            scale=w_scale,
-            global_scale=weight_globals.get(name),
-        )
-        in_scale = None
-        in_amax = None
-        if sch.needs_calibration:
-            if "scale" in (given.get("input") or {}):
-                in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
-            else:
-                in_amax = input_amax[name]
-                if sch.input_global:  # nvfp4: the static input global scale, in the weights' dtype
-                    in_scale = input_global_scale(in_amax, lin.weight.dtype)
-                else:
-                    in_scale = compute_scale(in_amax, E4M3).reshape(1)
-        new = quantized_linear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
-        new.train(False)
-        replace_submodule(model, name, new)
-        modules[name] = new
-        entry = layer_entry(
-            scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
-            weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
-            input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
-            input_granularity=sch.input_granularity.name,
-        ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
-        report.add_fp8(name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__)
-        del lin
+        _swap_linear(model, modules, name, sch, layers_in.get(name, {}), input_amax, weight_globals.get(name), report)  # fmt: skip
     for name, why in skipped.items():
         m = modules[name]
         report.add_skipped(name, type(m).__name__, m.weight.numel(), why)
@@ -172,3 +134,45 @@ def quantize_model_(
     report.weight_bytes_after = weight_bytes(model)
     model.mixprec_report = report  # as load_quantized does; save_quantized reads the layer statistics
     return report
+
+
+def _swap_linear(model: nn.Module, modules: dict[str, nn.Module], name: str, sch: InferenceScheme,
+                 given: dict[str, Any], input_amax: dict[str, float], weight_global: torch.Tensor | None,
+                 report: ConversionReport) -> None:  # fmt: skip
+    """Replace the Linear `name` by its quantized Linear (scales `given` by a scales document win over
+    computed ones), and record it in the report."""
+    lin = modules[name]
+    w_scale = None
+    if given.get("weight") and "scale" in given["weight"]:
+        w_scale = torch.tensor(given["weight"]["scale"], dtype=torch.float32).reshape(
+            given["weight"].get("scale_shape") or [-1]
+        )
+        if w_scale.dim() == 1:
+            w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
+    q, stats = quantize_weight(
+        lin.weight.detach(), sch, name=f"{name}.weight", scale=w_scale, global_scale=weight_global
+    )
+    in_scale = None
+    in_amax = None
+    if sch.needs_calibration:
+        if "scale" in (given.get("input") or {}):
+            in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
+        else:
+            in_amax = input_amax[name]
+            if sch.input_global:  # nvfp4: the static input global scale, in the weights' dtype
+                in_scale = input_global_scale(in_amax, lin.weight.dtype)
+            else:
+                in_scale = compute_scale(in_amax, E4M3).reshape(1)
+    new = quantized_linear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
+    new.train(False)
+    replace_submodule(model, name, new)
+    modules[name] = new
+    entry = layer_entry(
+        scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
+        weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
+        input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
+        input_granularity=sch.input_granularity.name,
+    ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
+    report.add_quantized_linear(
+        name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__, sch.family
+    )

@@ -1,19 +1,10 @@
-"""The block formats (NVFP4, MXFP4, MXFP8) in the checkpoint layouts serving engines read.
-
-compressed-tensors (llm-compressor writes it, vLLM serves it), per quantized Linear:
-
-    scheme     format                 tensors
-    nvfp4a16   nvfp4-pack-quantized   weight_packed uint8 [out, in/2] (element 2i in the low nibble),
-    nvfp4                             weight_scale float8_e4m3fn [out, in/16], weight_global_scale fp32 [1]
-                                      (+ input_global_scale fp32 [1] for nvfp4)
-    mxfp4a16   mxfp4-pack-quantized   weight_packed uint8 [out, in/2], weight_scale uint8 E8M0 [out, in/32]
-    mxfp4
-    mxfp8      mxfp8-quantized        weight float8_e4m3fn [out, in], weight_scale uint8 E8M0 [out, in/32]
+"""The block formats' tensors (NVFP4, MXFP4, MXFP8): a QuantizedTensor to the tensors the layout table
+names (layout.planned_tensors), and back (compressed-tensors' names, or ModelOpt's).
 
 The dequantized weight is payload * weight_scale / weight_global_scale (NVFP4; fp32) or
-payload * 2^(code - 127) (MX). ModelOpt's NVFP4 export stores `weight` (packed as above),
-`weight_scale` (E4M3), `weight_scale_2` = 1 / global scale and `input_scale` = 1 / input global scale;
-it is read here by compressed-tensors' own conversion rule (global = 1 / weight_scale_2).
+payload * 2^(code - 127) (MX). ModelOpt's NVFP4 export stores `weight` (packed as compressed-tensors
+packs it), `weight_scale` (E4M3), `weight_scale_2` = 1 / global scale and `input_scale` = 1 / input
+global scale; it is read here by compressed-tensors' own conversion rule (global = 1 / weight_scale_2).
 
 NVFP4 global scales: the shards of one fused GEMM (q/k/v, gate/up, an expert's w1/w3:
 mixprec.select.fused_shards) share one weight global scale, from the largest amax among them
@@ -28,69 +19,19 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E2M1, pack_nibbles, pow2, unpack_nibbles
+from mixprec.inference.checkpoint.layout import (
+    INPUT_GLOBAL_SCALE,
+    INPUT_SCALE,
+    WEIGHT,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_2,
+    planned_tensors,
+)
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.scaling import QuantizedTensor, global_scale_from_amax
 from mixprec.select import fused_shards
-
-CT_FORMATS = {"e4m3": "nvfp4-pack-quantized", "e8m0": "mxfp4-pack-quantized"}
-
-
-def ct_format(scheme: InferenceScheme) -> str:
-    """The compressed-tensors `format` of a block scheme's config group."""
-    if scheme.fmt.bits == 8:
-        return "mxfp8-quantized"
-    return CT_FORMATS[scheme.weight_granularity.scale_format]
-
-
-def _args(scheme: InferenceScheme, fmt_bits: int, dynamic, observer: str | None) -> dict:
-    nv = scheme.weight_granularity.scale_format == "e4m3"
-    return {
-        "num_bits": fmt_bits,
-        "type": "float",
-        "symmetric": True,
-        "group_size": scheme.block_size,
-        "strategy": "tensor_group" if nv else "group",
-        "block_structure": None,
-        "dynamic": dynamic,
-        "actorder": None,
-        "observer": observer,
-        "observer_kwargs": {},
-        "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
-        "zp_dtype": None,
-    }
-
-
-def ct_block_scheme_args(scheme: InferenceScheme) -> tuple[dict, dict | None, str]:
-    """(weights, input_activations, format) of one compressed-tensors config group for a block scheme,
-    as llm-compressor writes its NVFP4A16 / NVFP4 / MXFP4A16 / MXFP4 / MXFP8 presets."""
-    weights = _args(scheme, scheme.fmt.bits, False, "memoryless_minmax")
-    inputs = None
-    if not scheme.weights_only:
-        bits = 4 if scheme.input_format == "e2m1" else 8
-        inputs = _args(
-            scheme,
-            bits,
-            "local" if scheme.input_global else True,
-            "static_minmax" if scheme.input_global else None,
-        )
-    return weights, inputs, ct_format(scheme)
-
-
-def planned_tensors(module: str, shape: tuple[int, int], scheme: InferenceScheme) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:  # fmt: skip
-    """(name, dtype, shape) of the tensors one quantized Linear [out, in] has in the layout, in order."""
-    out_f, in_f = shape
-    grid = scheme.weight_granularity.scale_shape(out_f, in_f)
-    nv = scheme.weight_granularity.scale_format == "e4m3"
-    if scheme.fmt.bits == 4:
-        tensors = [(f"{module}.weight_packed", torch.uint8, (out_f, in_f // 2))]
-    else:
-        tensors = [(f"{module}.weight", torch.float8_e4m3fn, (out_f, in_f))]
-    tensors.append((f"{module}.weight_scale", torch.float8_e4m3fn if nv else torch.uint8, grid))
-    if nv:
-        tensors.append((f"{module}.weight_global_scale", torch.float32, (1,)))
-    if scheme.input_global:
-        tensors.append((f"{module}.input_global_scale", torch.float32, (1,)))
-    return tensors
 
 
 def layer_tensors(
@@ -100,13 +41,13 @@ def layer_tensors(
     payload = pack_nibbles(q.data) if q.fmt.bits == 4 else q.data
     nv = q.granularity.scale_format == "e4m3"
     out = [(planned_tensors(module, tuple(q.shape), scheme)[0][0], payload)]
-    out.append((f"{module}.weight_scale", q.scale_e4m3() if nv else q.scale_e8m0()))
+    out.append((f"{module}.{WEIGHT_SCALE}", q.scale_e4m3() if nv else q.scale_e8m0()))
     if nv:
-        out.append((f"{module}.weight_global_scale", q.global_scale.float().reshape(1)))
+        out.append((f"{module}.{WEIGHT_GLOBAL_SCALE}", q.global_scale.float().reshape(1)))
     if scheme.input_global:
         if input_global_scale is None:
             raise MixprecError(f"{module}: scheme {scheme.name} needs a calibrated input global scale")
-        out.append((f"{module}.input_global_scale", input_global_scale.float().reshape(1)))
+        out.append((f"{module}.{INPUT_GLOBAL_SCALE}", input_global_scale.float().reshape(1)))
     return out
 
 
@@ -119,12 +60,12 @@ def read_layer(
     out_f, in_f = shape
     g = scheme.weight_granularity
     nv = g.scale_format == "e4m3"
-    payload_name = f"{module}.weight" if modelopt or scheme.fmt.bits == 8 else f"{module}.weight_packed"
+    payload_name = f"{module}.{WEIGHT}" if modelopt or scheme.fmt.bits == 8 else f"{module}.{WEIGHT_PACKED}"
     payload = tensors.pop(payload_name, None)
-    scale = tensors.pop(f"{module}.weight_scale", None)
+    scale = tensors.pop(f"{module}.{WEIGHT_SCALE}", None)
     if payload is None or scale is None:
         raise MixprecError(
-            f"{where}: {module} lacks {payload_name if payload is None else module + '.weight_scale'}"
+            f"{where}: {module} lacks {payload_name if payload is None else module + '.' + WEIGHT_SCALE}"
         )
     if scheme.fmt.bits == 4:
         if payload.dtype != torch.uint8 or tuple(payload.shape) != (out_f, in_f // 2):
@@ -142,18 +83,18 @@ def read_layer(
     if nv:
         scale = scale.view(torch.float8_e4m3fn).float() if scale.dtype == torch.uint8 else scale.float()
         if modelopt:
-            s2 = tensors.pop(f"{module}.weight_scale_2", None)
+            s2 = tensors.pop(f"{module}.{WEIGHT_SCALE_2}", None)
             if s2 is None:
                 raise MixprecError(f"{where}: {module} lacks weight_scale_2 (ModelOpt NVFP4)")
             global_scale = (1 / s2.float()).reshape(1)  # compressed-tensors' ModelOpt converter's rule
-            inp = tensors.pop(f"{module}.input_scale", None)
+            inp = tensors.pop(f"{module}.{INPUT_SCALE}", None)
             input_global = None if inp is None else (1 / inp.float()).reshape(1)
         else:
-            global_scale = tensors.pop(f"{module}.weight_global_scale", None)
+            global_scale = tensors.pop(f"{module}.{WEIGHT_GLOBAL_SCALE}", None)
             if global_scale is None:
                 raise MixprecError(f"{where}: {module} lacks weight_global_scale (NVFP4)")
             global_scale = global_scale.float().reshape(1)
-            inp = tensors.pop(f"{module}.input_global_scale", None)
+            inp = tensors.pop(f"{module}.{INPUT_GLOBAL_SCALE}", None)
             input_global = None if inp is None else inp.float().reshape(1)
         if not bool(torch.isfinite(global_scale).all() and (global_scale > 0).all()):
             raise MixprecError(f"{where}: {module}'s global scale is not finite and positive")
@@ -178,15 +119,3 @@ def fused_global_scales(amax: Mapping[str, float], dtype: torch.dtype) -> dict[s
 def input_global_scale(amax: float, dtype: torch.dtype) -> torch.Tensor:
     """nvfp4's static input global scale from a calibrated input amax (448 * 6 / amax, in `dtype`)."""
     return global_scale_from_amax(amax, E2M1, dtype)
-
-
-__all__ = [
-    "CT_FORMATS",
-    "ct_block_scheme_args",
-    "ct_format",
-    "fused_global_scales",
-    "input_global_scale",
-    "layer_tensors",
-    "planned_tensors",
-    "read_layer",
-]

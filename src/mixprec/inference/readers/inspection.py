@@ -29,18 +29,25 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.hf import read_config
-from mixprec.inference.layout_tables import (
-    LayoutConfig,
-    StoredModule,
+from mixprec.inference.checkpoint.configs import LayoutConfig, read_layout_config
+from mixprec.inference.checkpoint.layout import (
+    INPUT_SCALE,
+    K_SCALE,
+    PAYLOAD_NAMES,
+    V_SCALE,
+    WEIGHT,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_2,
+    WEIGHT_SCALE_INV,
     StoredScheme,
     attention_of_kv_scale,
     kv_scale_names,
-    module_names,
     module_tensors,
-    quantized_modules,
-    read_layout_config,
 )
-from mixprec.inference.safetensors_io import Checkpoint, ShardReader, open_checkpoint
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader, open_checkpoint
+from mixprec.inference.checkpoint.stored_modules import StoredModule, module_names, quantized_modules
 from mixprec.inference.schemes import (
     PARTLY_QUANTIZED_RULE,
     SCHEMES,
@@ -99,7 +106,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             row, problems = _layer_row(m, cfg)
             bad_shapes += [f"{m.name}: {p}" for p in problems]
             for suffix, info in m.tensors.items():
-                if suffix in ("weight", "weight_packed", "bias"):
+                if suffix in (*PAYLOAD_NAMES, "bias"):
                     continue
                 values = reader.get(info).float()
                 why = _scale_problem(values)
@@ -161,7 +168,7 @@ def _shapes_check(bad: list[str], layers: int) -> dict[str, Any]:
 
 def _layer_row(m: StoredModule, cfg: LayoutConfig) -> tuple[dict[str, Any], list[str]]:
     problems: list[str] = []
-    payload = m.tensors.get("weight_packed") or m.tensors.get("weight")
+    payload = m.tensors.get(WEIGHT_PACKED) or m.tensors.get(WEIGHT)
     row = {
         "name": m.name,
         "scheme": m.scheme.describe() if m.scheme else None,
@@ -170,7 +177,7 @@ def _layer_row(m: StoredModule, cfg: LayoutConfig) -> tuple[dict[str, Any], list
         "scales": {
             s: {"shape": list(i.shape), "dtype": str(i.dtype).replace("torch.", "")}
             for s, i in m.tensors.items()
-            if s not in ("weight", "weight_packed", "bias")
+            if s not in (*PAYLOAD_NAMES, "bias")
         },
         "bytes": sum(i.nbytes for i in m.tensors.values()),
     }
@@ -290,7 +297,7 @@ def _shared_roles(layout: str, scheme: StoredScheme):
     """(tensor suffix, what, cost(max, min)) of the per-tensor scales a fused GEMM must share."""
     roles = []
     if scheme.weight_bits == 8 and scheme.weight_strategy == "tensor":
-        scale = "weight_scale_inv" if layout == "hf-fp8" else "weight_scale"
+        scale = WEIGHT_SCALE_INV if layout == "hf-fp8" else WEIGHT_SCALE
         roles.append(
             (
                 scale,
@@ -303,7 +310,7 @@ def _shared_roles(layout: str, scheme: StoredScheme):
     if scheme.input == "static" and scheme.weight_bits == 8:
         roles.append(
             (
-                "input_scale",
+                INPUT_SCALE,
                 "static input scales",
                 lambda hi, lo: (
                     f"vLLM uses the max: inputs lose {_bits(hi / lo)} of resolution on the other shards"
@@ -314,7 +321,7 @@ def _shared_roles(layout: str, scheme: StoredScheme):
         if layout == "modelopt":
             roles.append(
                 (
-                    "weight_scale_2",
+                    WEIGHT_SCALE_2,
                     "NVFP4 global weight scales (weight_scale_2)",
                     lambda hi, lo: (
                         f"vLLM uses the max without recomputing block scales: shards are scaled by up to {hi / lo:.4g}x (wrong weights)"
@@ -324,7 +331,7 @@ def _shared_roles(layout: str, scheme: StoredScheme):
         else:
             roles.append(
                 (
-                    "weight_global_scale",
+                    WEIGHT_GLOBAL_SCALE,
                     "NVFP4 global weight scales",
                     lambda hi, lo: (
                         f"vLLM uses 1/max without recomputing block scales: shards are scaled by as little as {lo / hi:.4g}x (wrong weights)"
@@ -341,7 +348,7 @@ def _kv_check(
     bad_scales: list[str],
     mods: dict[str, StoredModule],
 ) -> dict[str, Any]:
-    stored = [n for n in ckpt.tensors if n.endswith((".k_scale", ".v_scale"))]
+    stored = [n for n in ckpt.tensors if n.endswith((f".{K_SCALE}", f".{V_SCALE}"))]
     for n in stored:
         why = _scale_problem(reader.get(ckpt.tensors[n]).float())
         if why:
@@ -357,8 +364,8 @@ def _kv_check(
                 stored[:8],
             )
         return _check("KV-cache scales", "pass", "the config asks for no KV-cache quantization; none stored")
-    have_k = {attention_of_kv_scale(n) for n in stored if n.endswith(".k_scale")}
-    have = have_k & {attention_of_kv_scale(n) for n in stored if n.endswith(".v_scale")}
+    have_k = {attention_of_kv_scale(n) for n in stored if n.endswith(f".{K_SCALE}")}
+    have = have_k & {attention_of_kv_scale(n) for n in stored if n.endswith(f".{V_SCALE}")}
     missing = [a for a in attentions if a not in have]
     names = kv_scale_names(cfg.layout, attentions[0]) if attentions else ()
     if missing:
@@ -403,7 +410,7 @@ def _engines(
         no_input = [
             m.name
             for m in mods.values()
-            if m.scheme and m.scheme.name == "fp8-static" and "input_scale" not in m.tensors
+            if m.scheme and m.scheme.name == "fp8-static" and INPUT_SCALE not in m.tensors
         ]
         if no_input:
             vllm.append(f"ModelOpt FP8 needs input_scale for every layer; {no_input[0]} has none")

@@ -1,41 +1,49 @@
-"""Checkpoint layouts that serving engines read: compressed-tensors (vLLM, transformers with the
-compressed-tensors package) and Hugging Face `quant_method: "fp8"` (fine-grained, 128x128 blocks).
+"""The `quantization_config` of a checkpoint's config.json, in every layout serving engines read:
+compressed-tensors (vLLM, transformers with the compressed-tensors package), Hugging Face
+`quant_method: "fp8"` (fine-grained, 128x128 blocks) and NVIDIA ModelOpt (config.json or its
+hf_quant_config.json).
 
-Writing: the `quantization_config` dict for config.json and the tensor names per layer.
-Reading: parse a config.json `quantization_config` into a `LayoutSpec` saying, per module, which
-scheme-like layout its tensors have, so the loader can rebuild FP8 Linears from any of the producers
-(mixprec, llm-compressor, Hugging Face fp8 checkpoints, NVIDIA ModelOpt's FP8 algorithms).
-
-Inspect and convert use the layout-neutral description in layout_tables.py (every scheme a layout can
-hold, its tensor names, shapes and scale conventions); ModelOpt's algorithm names are defined here
-once (MODELOPT_ALGO_SCHEMES) and read there.
+Writing: the `quantization_config` dict for config.json (block schemes as llm-compressor writes its
+NVFP4A16 / NVFP4 / MXFP4A16 / MXFP4 / MXFP8 presets).
+Reading, twice over the same documents: `parse_quantization_config` -> a `LayoutSpec` saying, per
+module, which scheme-like layout its tensors have, so the loader can rebuild quantized Linears from
+any producer (mixprec, llm-compressor, Hugging Face fp8, ModelOpt); `read_layout_config` -> a
+`LayoutConfig` in the layout table's terms (layout.StoredScheme), for inspect and convert. Tensor
+names, shapes and scale conventions are the layout table's (layout.py).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.errors import MixprecError
-from mixprec.inference.fp4_layout import ct_block_scheme_args
+from mixprec.inference.checkpoint.layout import (
+    CONVERT_LAYOUTS,
+    FP4_GROUP,
+    FP8_DYNAMIC,
+    FP8_STATIC,
+    FP8_TENSOR_DYNAMIC,
+    MODELOPT_ALGO_SCHEMES,
+    MODELOPT_ALGOS,
+    MODELOPT_CONFIG_NAME,
+    MX_GROUP,
+    MXFP4,
+    MXFP4A16,
+    MXFP8,
+    NVFP4,
+    NVFP4A16,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_INV,
+    StoredScheme,
+    fp8_block,
+)
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.scaling import Granularity
 from mixprec.select import matches
 
-LAYOUTS = ("compressed-tensors", "hf-fp8")
-# every layout `mixprec inspect` reads and `mixprec convert` writes
-CONVERT_LAYOUTS = ("compressed-tensors", "hf-fp8", "modelopt")
-MODELOPT_CONFIG_NAME = "hf_quant_config.json"
-# ModelOpt's quant_algo names for the schemes it shares with mixprec and compressed-tensors (its
-# modelopt/torch/export/quant_utils.py and convert_hf_config.py; vLLM's modelopt.py QUANT_ALGOS)
-MODELOPT_ALGO_SCHEMES = {
-    "FP8": "fp8-static",
-    "FP8_PER_CHANNEL_PER_TOKEN": "fp8-dynamic",
-    "FP8_PB_WO": "fp8-block",
-    "NVFP4": "nvfp4",
-    "W4A16_NVFP4": "nvfp4a16",
-}
+CT_FORMATS = {"e4m3": "nvfp4-pack-quantized", "e8m0": "mxfp4-pack-quantized"}
 
 
 def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
@@ -51,6 +59,52 @@ def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
         "observer": extra.pop("observer", None if dynamic else "minmax"),
         "observer_kwargs": {},
     }
+
+
+def ct_group_args(strategy: str, dynamic: bool, **extra) -> dict:
+    """The compressed-tensors QuantizationArgs (as JSON) of an 8-bit float weight or activation."""
+    return _ct_args(strategy, dynamic, **extra)
+
+
+def ct_format(scheme: InferenceScheme) -> str:
+    """The compressed-tensors `format` of a block scheme's config group."""
+    if scheme.fmt.bits == 8:
+        return "mxfp8-quantized"
+    return CT_FORMATS[scheme.weight_granularity.scale_format]
+
+
+def _block_args(scheme: InferenceScheme, fmt_bits: int, dynamic, observer: str | None) -> dict:
+    nv = scheme.weight_granularity.scale_format == "e4m3"
+    return {
+        "num_bits": fmt_bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": scheme.block_size,
+        "strategy": "tensor_group" if nv else "group",
+        "block_structure": None,
+        "dynamic": dynamic,
+        "actorder": None,
+        "observer": observer,
+        "observer_kwargs": {},
+        "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
+        "zp_dtype": None,
+    }
+
+
+def ct_block_scheme_args(scheme: InferenceScheme) -> tuple[dict, dict | None, str]:
+    """(weights, input_activations, format) of one compressed-tensors config group for a block scheme,
+    as llm-compressor writes its NVFP4A16 / NVFP4 / MXFP4A16 / MXFP4 / MXFP8 presets."""
+    weights = _block_args(scheme, scheme.fmt.bits, False, "memoryless_minmax")
+    inputs = None
+    if not scheme.weights_only:
+        bits = 4 if scheme.input_format == "e2m1" else 8
+        inputs = _block_args(
+            scheme,
+            bits,
+            "local" if scheme.input_global else True,
+            "static_minmax" if scheme.input_global else None,
+        )
+    return weights, inputs, ct_format(scheme)
 
 
 def ct_scheme_args(scheme: InferenceScheme) -> tuple[dict, dict | None, str]:
@@ -142,17 +196,8 @@ def hf_fp8_quantization_config(scheme: InferenceScheme, ignore: list[str]) -> di
     }
 
 
-def tensor_names(layout: str) -> dict[str, str]:
-    """role -> tensor suffix for one quantized Linear."""
-    if layout == "compressed-tensors":
-        return {"weight": "weight", "weight_scale": "weight_scale", "input_scale": "input_scale"}
-    if layout == "hf-fp8":
-        return {"weight": "weight", "weight_scale": "weight_scale_inv", "input_scale": "input_scale"}
-    raise MixprecError(f"unknown checkpoint format {layout!r}; known: {', '.join(LAYOUTS)}")
-
-
 # ---------------------------------------------------------------------------------------------------
-# Reading
+# Reading, for the loader
 
 
 @dataclass(frozen=True)
@@ -162,9 +207,9 @@ class ModuleLayout:
     weight_granularity: Granularity
     input_granularity: Granularity
     input_dynamic: bool
-    scale_name: str  # "weight_scale" or "weight_scale_inv"
+    scale_name: str  # WEIGHT_SCALE or WEIGHT_SCALE_INV
     block_scheme: str | None = (
-        None  # a block-format scheme (nvfp4, mxfp4...): its tensors, fp4_layout.read_layer
+        None  # a block-format scheme (nvfp4, mxfp4...): its tensors, block_tensors.read_layer
     )
 
     def as_scheme(self) -> InferenceScheme:
@@ -228,7 +273,7 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
         wg = Granularity.blocks(int(block[0]), int(block[1])) if block else Granularity.tensor()
         dynamic = str(qc.get("activation_scheme", "dynamic")).lower() == "dynamic"
         ig = Granularity.blocks(1, int(block[1])) if (block and dynamic) else Granularity.tensor()
-        ml = ModuleLayout(wg, ig, dynamic, "weight_scale_inv")
+        ml = ModuleLayout(wg, ig, dynamic, WEIGHT_SCALE_INV)
         ignore = tuple(qc.get("modules_to_not_convert") or ())
         return LayoutSpec("hf-fp8", ((("Linear",), ml),), ignore, False)
     if str(method).lower().startswith("modelopt"):
@@ -244,7 +289,7 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
         if block is not None:
             sch = InferenceScheme.from_name(block)
             ml = ModuleLayout(
-                sch.weight_granularity, sch.input_granularity, sch.input_dynamic, "weight_scale", block
+                sch.weight_granularity, sch.input_granularity, sch.input_dynamic, WEIGHT_SCALE, block
             )
             groups.append((tuple(group.get("targets") or ("Linear",)), ml))
             continue
@@ -257,7 +302,7 @@ def parse_quantization_config(qc: dict, where: str) -> LayoutSpec:
         else:  # weight-only FP8: mixprec still runs an FP8 GEMM, with dynamic per-token inputs
             dynamic, ig = True, Granularity.rows()
         groups.append(
-            (tuple(group.get("targets") or ("Linear",)), ModuleLayout(wg, ig, dynamic, "weight_scale"))
+            (tuple(group.get("targets") or ("Linear",)), ModuleLayout(wg, ig, dynamic, WEIGHT_SCALE))
         )
     if not groups:
         raise MixprecError(f"{where}: compressed-tensors quantization_config has no config_groups")
@@ -297,14 +342,12 @@ def _modelopt_load_spec(qc: dict, where: str) -> LayoutSpec:
     for name, scheme_name in MODELOPT_ALGO_SCHEMES.items():
         s = SCHEMES.get(scheme_name)
         if s is not None and scheme_name.startswith("fp8-"):  # the loader builds FP8 Linears only
-            fp8[name] = ModuleLayout(
-                s.weight_granularity, s.input_granularity, s.input_dynamic, "weight_scale"
-            )
+            fp8[name] = ModuleLayout(s.weight_granularity, s.input_granularity, s.input_dynamic, WEIGHT_SCALE)
     for name, scheme_name in MODELOPT_ALGO_SCHEMES.items():
         s = SCHEMES.get(scheme_name)
-        if s is not None and not s.is_fp8:  # NVFP4: tensors read by fp4_layout.read_layer(modelopt=True)
+        if s is not None and not s.is_fp8:  # NVFP4: tensors read by block_tensors.read_layer(modelopt=True)
             fp8[name] = ModuleLayout(
-                s.weight_granularity, s.input_granularity, s.input_dynamic, "weight_scale", scheme_name
+                s.weight_granularity, s.input_granularity, s.input_dynamic, WEIGHT_SCALE, scheme_name
             )
     if algo in fp8:
         return LayoutSpec("modelopt", ((("Linear",), fp8[algo]),), ignore, kv)
@@ -344,6 +387,167 @@ def read_quantization_config(root: Path, config: dict) -> tuple[dict | None, Pat
     return {**doc, "quant_method": "modelopt"}, path
 
 
-def ct_group_args(strategy: str, dynamic: bool, **extra) -> dict:
-    """The compressed-tensors QuantizationArgs (as JSON) of an 8-bit float weight or activation."""
-    return _ct_args(strategy, dynamic, **extra)
+# ---------------------------------------------------------------------------------------------------
+# Reading, in the layout table's terms (inspect, convert)
+
+
+@dataclass
+class LayoutConfig:
+    """A checkpoint's quantization config, read into layout-neutral terms."""
+
+    layout: str
+    source: Path
+    description: str
+    groups: list[tuple[str, tuple[str, ...], StoredScheme]]  # (group name, targets, scheme)
+    ignore: tuple[str, ...]
+    kv_cache: bool
+    per_layer: dict[str, StoredScheme] = field(default_factory=dict)  # ModelOpt MIXED_PRECISION
+    unreadable: list[str] = field(default_factory=list)  # config entries describing schemes not listed here
+
+    def scheme_for(self, name: str) -> StoredScheme | None:
+        """The scheme the config gives module `name` (assumed a Linear), None when it is not quantized."""
+        if self.per_layer:
+            return self.per_layer.get(name)
+        if any(_pattern_matches(name, p) for p in self.ignore):
+            return None
+        for _, targets, scheme in self.groups:
+            if any(t == "Linear" or _pattern_matches(name, t) for t in targets):
+                return scheme
+        return None
+
+    def ignores(self, name: str) -> bool:
+        return any(_pattern_matches(name, p) for p in self.ignore)
+
+    @property
+    def schemes(self) -> list[StoredScheme]:
+        found = list(self.per_layer.values()) + [s for _, _, s in self.groups]
+        return list({s: None for s in found})
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.schemes) > 1
+
+
+def _pattern_matches(name: str, pattern: str) -> bool:
+    """A config's target / ignore entry names module `name`: exact or dotted-suffix names, "re:" regexes
+    (compressed-tensors, vLLM) and globs (ModelOpt's exclude_modules, which vLLM reads with fnmatch),
+    all through mixprec.select.matches."""
+    return matches(name, pattern)
+
+
+def _ct_scheme(group: dict) -> StoredScheme | str:
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    bits, kind, strategy = int(w.get("num_bits") or 0), w.get("type"), str(w.get("strategy") or "").lower()
+    described = f"{bits}-bit {kind} weights, strategy {strategy or 'none'}"
+    if kind != "float":
+        return described
+    dynamic = bool(a.get("dynamic")) if a else None
+    a_strategy = str((a or {}).get("strategy") or "").lower()
+    if bits == 8 and a is not None:
+        if strategy == "tensor":
+            return FP8_TENSOR_DYNAMIC if dynamic else (FP8_STATIC if a_strategy == "tensor" else described)
+        if strategy == "channel" and dynamic:
+            return FP8_DYNAMIC
+        if strategy == "block" and dynamic:
+            rows, cols = w.get("block_structure") or (128, 128)
+            return fp8_block(rows, cols)
+    if (
+        strategy == "group"
+        and int(w.get("group_size") or 0) == MX_GROUP
+        and "uint8" in str(w.get("scale_dtype"))
+    ):
+        if bits == 4:
+            return MXFP4A16 if a is None else MXFP4
+        if bits == 8 and a is not None:
+            return MXFP8
+    if bits == 4 and strategy == "tensor_group" and int(w.get("group_size") or 0) == FP4_GROUP:
+        if a is None:
+            return NVFP4A16
+        if int(a.get("num_bits") or 0) == 4:
+            return NVFP4
+    return described + (", weight-only" if a is None else f", inputs {a_strategy or 'unknown'}")
+
+
+def read_layout_config(root: Path, config: dict) -> LayoutConfig:
+    """The checkpoint's quantization config (config.json, or ModelOpt's hf_quant_config.json)."""
+    qc, source = read_quantization_config(root, config)
+    if qc is None:
+        raise MixprecError(
+            f"{root} is not a quantized checkpoint: no quantization_config in config.json "
+            "and no hf_quant_config.json (quantize it with `mixprec quantize`)"
+        )
+    if not isinstance(qc, dict):
+        raise MixprecError(f"{source}: quantization_config must be a JSON object")
+    method = str(qc.get("quant_method") or "")
+    if method == "compressed-tensors":
+        groups, unreadable = [], []
+        for gname, group in (qc.get("config_groups") or {}).items():
+            scheme = _ct_scheme(group or {})
+            if isinstance(scheme, str):
+                unreadable.append(f"config group {gname!r}: {scheme}")
+                continue
+            groups.append((gname, tuple(group.get("targets") or ("Linear",)), scheme))
+        desc = f"compressed-tensors, format {qc.get('format')}"
+        return LayoutConfig(
+            "compressed-tensors",
+            source,
+            desc,
+            groups,
+            tuple(qc.get("ignore") or ()),
+            bool(qc.get("kv_cache_scheme")),
+            unreadable=unreadable,
+        )
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        dynamic = str(qc.get("activation_scheme", "dynamic")).lower() == "dynamic"
+        scheme = fp8_block(*block) if block else (FP8_TENSOR_DYNAMIC if dynamic else FP8_STATIC)
+        ignore = qc.get("modules_to_not_convert")
+        desc = f"Hugging Face fp8, weight_block_size {block}, activation_scheme {qc.get('activation_scheme', 'dynamic')}"
+        # modules_to_not_convert null: transformers keeps its output embeddings (lm_head) unquantized
+        return LayoutConfig(
+            "hf-fp8",
+            source,
+            desc,
+            [("fp8", ("Linear",), scheme)],
+            tuple(ignore) if ignore is not None else ("lm_head",),
+            False,
+        )
+    if method.lower().startswith("modelopt"):
+        return _read_modelopt(qc, source)
+    raise MixprecError(
+        f"{source}: quant_method {method!r} is not a layout mixprec reads ({', '.join(CONVERT_LAYOUTS)})"
+    )
+
+
+def _read_modelopt(qc: dict, source: Path) -> LayoutConfig:
+    details = qc["quantization"] if isinstance(qc.get("quantization"), dict) else qc
+    algo = str(details.get("quant_algo") or "").upper()
+    ignore = tuple(details.get("exclude_modules") or qc.get("ignore") or ())
+    kv = bool(details.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"))
+    group = details.get("group_size")
+    unreadable: list[str] = []
+
+    def scheme_of(name: str, gsize, where: str) -> StoredScheme | None:
+        scheme = MODELOPT_ALGOS.get(name)
+        if scheme is None:
+            unreadable.append(
+                f"{where}: quant_algo {name or 'missing'!r} (mixprec reads {', '.join(MODELOPT_ALGOS)})"
+            )
+        elif scheme.fp4 and gsize not in (None, FP4_GROUP):
+            unreadable.append(f"{where}: {name} with group_size {gsize} (NVFP4 groups are {FP4_GROUP})")
+            return None
+        return scheme
+
+    desc = f"ModelOpt {algo or '(no quant_algo)'}"
+    if algo == "MIXED_PRECISION":
+        per_layer = {}
+        for name, cfg in (details.get("quantized_layers") or {}).items():
+            s = scheme_of(
+                str((cfg or {}).get("quant_algo") or "").upper(), (cfg or {}).get("group_size"), name
+            )
+            if s is not None:
+                per_layer[name] = s
+        return LayoutConfig("modelopt", source, desc, [], ignore, kv, per_layer, unreadable)
+    scheme = scheme_of(algo, group, str(source))
+    groups = [(algo, ("Linear",), scheme)] if scheme else []
+    return LayoutConfig("modelopt", source, desc, groups, ignore, kv, unreadable=unreadable)

@@ -1,6 +1,6 @@
-"""The block formats (NVFP4, MXFP4, MXFP8) in offline streaming quantization (offline.py calls these).
+"""The block formats (NVFP4, MXFP4, MXFP8) in offline streaming quantization (producers/quantize.py calls these).
 
-NVFP4's weight global scales are per fused GEMM (fp4_layout.fused_global_scales): before streaming, one
+NVFP4's weight global scales are per fused GEMM (block_tensors.fused_global_scales): before streaming, one
 read-only pass takes the amax of every NVFP4 target weight (a few weights in memory at a time, the
 same buffer reused), so each shard of q/k/v or gate/up is then quantized on its own, in plan order,
 with the shared global scale. Calibration-free schemes (nvfp4a16, mxfp4a16, mxfp4, mxfp8) never build
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from mixprec.inference.fp4_layout import fused_global_scales, input_global_scale, layer_tensors
-from mixprec.inference.safetensors_io import Checkpoint, ShardReader
-from mixprec.inference.scales_file import layer_entry
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale, layer_tensors
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
+from mixprec.inference.checkpoint.scales_file import compact_entry
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
 
 
@@ -47,18 +47,6 @@ def weight_global_scales(
     return fused_global_scales(amax, dtype)
 
 
-def compact_entry(q, sch: InferenceScheme, stats, shape, in_global: torch.Tensor | None, in_amax) -> dict[str, Any]:  # fmt: skip
-    """The report entry of a block-format layer: its global scale (NVFP4) instead of the millions of
-    block scales the checkpoint itself holds."""
-    scale = q.global_scale.reshape(1) if q.global_scale is not None else torch.empty(0)
-    return layer_entry(
-        scheme=sch.name, weight_granularity=f"{sch.weight_granularity.name} (global scale)", weight_scale=scale,
-        weight_amax=stats.amax if stats is not None else float("nan"),
-        relative_weight_error=stats.relative_error if stats is not None else float("nan"), shape=tuple(shape),
-        input_scale=in_global, input_amax=in_amax, input_dynamic=True, input_granularity=sch.input_granularity.name,
-    )  # fmt: skip
-
-
 def quantize_block_task(
     reader: ShardReader,
     info,
@@ -70,7 +58,7 @@ def quantize_block_task(
     out_pool,
     global_scale: torch.Tensor | None,
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]:
-    """offline._quantize_task for a block scheme: (output tensors in plan order, report entry, payload
+    """quantize._quantize_task for a block scheme: (output tensors in plan order, report entry, payload
     buffer to release once written)."""
     buf = in_pool.get()
     try:
@@ -86,4 +74,4 @@ def quantize_block_task(
     return out, compact_entry(q, sch, stats, shape, in_global, in_amax), payload
 
 
-__all__ = ["compact_entry", "quantize_block_task", "weight_global_scales"]
+__all__ = ["quantize_block_task", "weight_global_scales"]

@@ -27,7 +27,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
-from mixprec.inference.safetensors_io import Checkpoint
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

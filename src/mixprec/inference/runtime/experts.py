@@ -1,4 +1,4 @@
-"""MoE experts, one Linear per expert: what lets fused transformers experts be calibrated and run in FP8.
+"""MoE experts, one Linear per expert: what lets fused transformers experts be calibrated and run in FP8 or FP4.
 
 transformers 5 holds a layer's experts as fused 3-D parameters (`gate_up_proj` [experts, 2*inter,
 hidden], `down_proj` [experts, hidden, inter]) behind the `use_experts_implementation` contract;
@@ -18,7 +18,7 @@ from torch import nn
 
 from mixprec.conversion import replace_submodule
 from mixprec.errors import MixprecError
-from mixprec.inference.linear_weights import ExpertSlot, expert_slots
+from mixprec.inference.checkpoint.linear_weights import ExpertSlot, expert_slots
 
 
 def check_supported(module: nn.Module, name: str) -> None:

@@ -1,4 +1,4 @@
-"""save_quantized: a model whose Linears run in FP8 (from `load_quantized` or `quantize_model_`) ->
+"""save_quantized: a model whose Linears run in FP8 or FP4 (from `load_quantized` or `quantize_model_`) ->
 the checkpoint directory `mixprec quantize` writes, with the same writer.
 
 The payloads and scales are written as the model holds them, bit for bit (casting a quantized model
@@ -19,13 +19,18 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
-from mixprec.inference import layouts
-from mixprec.inference.experts import UnfusedExperts
-from mixprec.inference.linear import BlockQuantizedLinear, QuantizedLinear
+from mixprec.files import check_new_output
+from mixprec.inference.checkpoint import configs, layout
+from mixprec.inference.checkpoint.layout import INPUT_SCALE, K_SCALE, V_SCALE, WEIGHT_SCALE
+from mixprec.inference.checkpoint.publish import publish
+from mixprec.inference.checkpoint.safetensors_io import (
+    PlannedShardWriter,
+    PlannedTensor,
+)
+from mixprec.inference.checkpoint.scales_file import build_document, layer_entry
 from mixprec.inference.mixed import MIXED, check_groups_whole
-from mixprec.inference.safetensors_io import PlannedShardWriter, PlannedTensor, plan_shards, write_index
-from mixprec.inference.scales_file import build_document, layer_entry, write_scales_file
+from mixprec.inference.runtime.experts import UnfusedExperts
+from mixprec.inference.runtime.linear import BlockQuantizedLinear, QuantizedLinear
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 
 DEFAULT_MAX_SHARD_SIZE = 2 << 30
@@ -86,7 +91,57 @@ def save_quantized(
     from mixprec import __version__
 
     out = Path(output_dir)
-    names = layouts.tensor_names(format)  # refuses an unknown format
+    names = layout.tensor_names(format)  # refuses an unknown format
+    quantized, schemes, scheme = _savable(model, format)
+    check_new_output(out, force, flag="force=True")
+    ignored = sorted(
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
+    )
+    kv_cache = any(n.endswith((f".{K_SCALE}", f".{V_SCALE}")) for n, _ in model.named_buffers())
+    if format == "hf-fp8" and kv_cache:
+        raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
+    tensors = _state_tensors(model, quantized, schemes, names)
+    report = getattr(model, "mixprec_report", None)
+    layers = _layer_entries(quantized, schemes, getattr(report, "layers", None) or {})
+    not_quantized = {n: "not quantized in the model" for n in ignored}
+    for e in getattr(report, "entries", []):
+        if e.name in not_quantized and e.precision.startswith("skipped"):
+            not_quantized[e.name] = e.reason
+    planned = [PlannedTensor(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    out_cfg = _output_config(model, format, scheme, schemes, ignored, kv_cache)
+    kv_doc = {
+        owner: {k: float(m.get_buffer(k).reshape(-1)[0]) for k in (K_SCALE, V_SCALE) if hasattr(m, k)}
+        for owner, m in model.named_modules()
+        if isinstance(getattr(m, K_SCALE, None), torch.Tensor)
+    }
+
+    def write_tensors(writer: PlannedShardWriter) -> None:
+        for k, t in tensors.items():
+            writer.write(k, t)
+
+    def side_files(tmp: Path) -> None:
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    def scales() -> dict[str, Any]:
+        return build_document(
+            scheme=scheme.name, layout=format, layers=layers, kv_cache=kv_doc, ignored=not_quantized,
+            calibration=getattr(report, "calibration", None), producer=f"mixprec {__version__} (save_quantized)",
+        )  # fmt: skip
+
+    publish(
+        out, force=force, planned=planned, max_shard_size=max_shard_size, producer=f"mixprec {__version__}",
+        write_tensors=write_tensors, config=lambda: out_cfg, side_files=side_files, scales=scales,
+    )  # fmt: skip
+    return out
+
+
+def _savable(model: nn.Module, format: str) -> tuple[dict[str, QuantizedLinear], dict[str, InferenceScheme], InferenceScheme]:  # fmt: skip
+    """({name: quantized Linear}, {name: its scheme}, the checkpoint's scheme: MIXED when several),
+    MixprecError when the model cannot be saved in `format`."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         raise MixprecError(
@@ -102,7 +157,7 @@ def save_quantized(
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not quantized:
         raise MixprecError(
-            f"{type(model).__name__} has no FP8 Linear layers: quantize it with mixprec.quantize_model_ "
+            f"{type(model).__name__} has no quantized Linear layers: quantize it with mixprec.quantize_model_ "
             "first, or save it with save_pretrained"
         )
     schemes = {n: _scheme_of(n, m) for n, m in quantized.items()}
@@ -113,16 +168,14 @@ def save_quantized(
     if mixed:
         _check_mixed(schemes, format)
     if format == "hf-fp8":
-        layouts.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
-    check_new_output(out, force, flag="force=True")
-    ignored = sorted(
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear)
-    )
-    kv_cache = any(n.endswith((".k_scale", ".v_scale")) for n, _ in model.named_buffers())
-    if format == "hf-fp8" and kv_cache:
-        raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
+        configs.hf_fp8_quantization_config(scheme, [])  # refuses non-block schemes
+    return quantized, schemes, scheme
 
-    # every tensor once (tied weights share storage: the first name keeps it, as save_pretrained does)
+
+def _state_tensors(model: nn.Module, quantized: dict[str, QuantizedLinear], schemes: dict[str, InferenceScheme],
+                   names: dict[str, str]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every tensor of the state dict once (tied weights share storage: the first name keeps it, as
+    save_pretrained does), scales named and shaped as the layout stores them."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
     for key, t in model.state_dict().items():
@@ -135,24 +188,28 @@ def save_quantized(
             seen.add(ident)
         module, _, leaf = key.rpartition(".")
         m = quantized.get(module)
-        if m is not None and leaf == "weight_scale":
-            tensors[f"{module}.{names['weight_scale']}"] = t.reshape(
+        if m is not None and leaf == WEIGHT_SCALE:
+            tensors[f"{module}.{names[WEIGHT_SCALE]}"] = t.reshape(
                 schemes[module].scale_shape(m.out_features, m.in_features)
             )
-        elif m is not None and leaf == "input_scale":
-            tensors[f"{module}.{names['input_scale']}"] = t.reshape(1)
+        elif m is not None and leaf == INPUT_SCALE:
+            tensors[f"{module}.{names[INPUT_SCALE]}"] = t.reshape(1)
         else:
             tensors[key] = t
+    return tensors
 
-    report = getattr(model, "mixprec_report", None)
-    known = getattr(report, "layers", None) or {}
+
+def _layer_entries(quantized: dict[str, QuantizedLinear], schemes: dict[str, InferenceScheme],
+                   known: dict[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The scales-file entry of each FP8 Linear (`known`: the model's report's, for what the model no
+    longer knows: relative error, input amax); block-format scales live in the checkpoint (millions)."""
     layers: dict[str, dict[str, Any]] = {}
     for n, m in quantized.items():
-        if isinstance(m, BlockQuantizedLinear):  # its block scales live in the checkpoint (millions)
+        if isinstance(m, BlockQuantizedLinear):
             continue
         before = known.get(n, {})
         q = m.quantized_weight()
-        entry = layer_entry(
+        layers[n] = layer_entry(
             scheme=schemes[n].name, weight_granularity=m.weight_granularity.name, weight_scale=m.weight_scale.cpu(),
             weight_amax=float(q.dequantize(torch.float32).abs().max()),
             relative_weight_error=(before.get("weight") or {}).get("relative_error"),
@@ -160,14 +217,13 @@ def save_quantized(
             input_amax=(before.get("input") or {}).get("amax"), input_dynamic=m.input_scale is None,
             input_granularity=m.input_granularity.name,
         )  # fmt: skip
-        layers[n] = entry
-    not_quantized = {n: "not quantized in the model" for n in ignored}
-    for e in getattr(report, "entries", []):
-        if e.name in not_quantized and e.precision.startswith("skipped"):
-            not_quantized[e.name] = e.reason
+    return layers
 
-    planned = [PlannedTensor(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    out_cfg = json.loads(config.to_json_string(use_diff=True))
+
+def _output_config(model: nn.Module, format: str, scheme: InferenceScheme, schemes: dict[str, InferenceScheme],
+                   ignored: list[str], kv_cache: bool) -> dict[str, Any]:  # fmt: skip
+    """The model's config (as save_pretrained writes it) with the layout's quantization_config."""
+    out_cfg = json.loads(model.config.to_json_string(use_diff=True))
     out_cfg.pop("quantization_config", None)
     out_cfg["architectures"] = [
         type(model).__name__
@@ -176,39 +232,10 @@ def save_quantized(
     if dtype is not None:
         out_cfg["dtype"] = dtype
         out_cfg.pop("torch_dtype", None)
-    if mixed:
-        out_cfg["quantization_config"] = layouts.ct_mixed_quantization_config(schemes, ignored, kv_cache)
+    if scheme is MIXED:
+        out_cfg["quantization_config"] = configs.ct_mixed_quantization_config(schemes, ignored, kv_cache)
     elif format == "compressed-tensors":
-        out_cfg["quantization_config"] = layouts.ct_quantization_config(scheme, ignored, kv_cache)
+        out_cfg["quantization_config"] = configs.ct_quantization_config(scheme, ignored, kv_cache)
     else:
-        out_cfg["quantization_config"] = layouts.hf_fp8_quantization_config(scheme, ignored)
-    kv_doc = {
-        owner: {k: float(m.get_buffer(k).reshape(-1)[0]) for k in ("k_scale", "v_scale") if hasattr(m, k)}
-        for owner, m in model.named_modules()
-        if isinstance(getattr(m, "k_scale", None), torch.Tensor)
-    }
-
-    with atomic_output_dir(out, force) as tmp:
-        writer = PlannedShardWriter(
-            tmp, plan_shards(planned, max_shard_size), {"producer": f"mixprec {__version__}"}
-        )
-        try:
-            for k, t in tensors.items():
-                writer.write(k, t)
-            weight_map = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        write_index(tmp, weight_map, sum(p.nbytes for p in planned))
-        write_json_atomic(tmp / "config.json", out_cfg)
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        doc = build_document(
-            scheme=scheme.name, layout=format, layers=layers, kv_cache=kv_doc, ignored=not_quantized,
-            calibration=getattr(report, "calibration", None), producer=f"mixprec {__version__} (save_quantized)",
-        )  # fmt: skip
-        write_scales_file(tmp / "model.fp8_scales.json", doc)
-    return out
+        out_cfg["quantization_config"] = configs.hf_fp8_quantization_config(scheme, ignored)
+    return out_cfg

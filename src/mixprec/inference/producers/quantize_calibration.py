@@ -1,0 +1,131 @@
+"""The calibration step of an offline quantization (static schemes, --kv-cache fp8): load the model
+(whole, or one transformer block at a time when it would not fit), observe the inputs of the Linears
+that need a static scale and the KV cache, free the model.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.conversion import ConversionReport
+from mixprec.errors import MixprecError
+from mixprec.hf import load_model, load_tokenizer
+from mixprec.inference.calibration.data import token_batches
+from mixprec.inference.calibration.layerwise import calibrate_layerwise
+from mixprec.inference.calibration.run import CalibrationResult, NothingObserved, calibrate
+from mixprec.inference.checkpoint.linear_weights import LinearWeights
+from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source
+from mixprec.inference.runtime.experts import unfuse_for_calibration
+from mixprec.progress import ProgressBars, progress_bar
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What calibration found: input amax per Linear, KV amax per attention layer (and its module
+    name), and what ran and why it stopped (None when nothing was calibrated)."""
+
+    input_amax: dict[str, float]
+    kv_amax: dict[int, tuple[float, float]]
+    kv_names: dict[int, str]
+    info: dict[str, Any] | None
+
+
+NOT_CALIBRATED = Calibration({}, {}, {}, None)
+
+
+def calibrate_job(
+    job: QuantizeJob, source: Source, selection: Selection, report: ConversionReport
+) -> Calibration:
+    """Run the calibration the job needs (NOT_CALIBRATED when it needs none); record it in the report."""
+    if not job.calibrates:
+        return NOT_CALIBRATED
+    batches = token_batches(source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len)
+    names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
+    layer_by_layer = job.layer_by_layer
+    if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
+        layer_by_layer = source.ckpt.total_bytes > 0.5 * _available_memory()
+    if layer_by_layer:
+        n_blocks = int(source.config.get("num_hidden_layers") or 0)
+        with progress_bar(job.progress, "calibrating layer by layer", n_blocks or None) as advance:
+            result, model = calibrate_layerwise(
+                job.model_dir, source.config, source.ckpt, batches, names, observer=job.observer,
+                kv_cache=job.kv_cache, progress=advance,
+            )  # fmt: skip
+        input_amax = result.input_amax
+    else:
+        result, model, input_amax = _calibrate_whole_model(job, selection.lw, batches, names)
+    info = {"data": str(job.calib_data), "seq_len": int(batches[0].shape[1]), "observer": job.observer,
+            "samples_requested": job.calib_samples, **result.run.to_dict()}  # fmt: skip
+    info["layer_by_layer"] = bool(layer_by_layer)
+    report.calibration = info
+    report.notes.append(f"calibration: {result.run.samples} samples, {result.run.reason}")
+    kv_names = {i: _attention_module_name(model, i) for i in result.kv_amax}
+    del model
+    gc.collect()
+    return Calibration(input_amax, result.kv_amax, kv_names, info)
+
+
+def _calibrate_whole_model(
+    job: QuantizeJob, lw: LinearWeights, batches: list[torch.Tensor], names: Sequence[str]
+) -> tuple[CalibrationResult, Any, dict[str, float]]:
+    """(the result, the loaded model, input amax by checkpoint name) of one run over the whole model."""
+    model = load_model(job.model_dir, dtype="auto").eval()
+    paths = _calibration_modules(model, names, lw)
+    try:
+        # the bar's total is the cap; the stop rule usually ends it early (time left: to the cap)
+        with ProgressBars(job.progress, time_remaining=True) as bars:
+            advance = bars.add("calibrating (stops once the scales settle)", len(batches)).advance
+            result = calibrate(
+                model, batches, list(paths.values()), observer=job.observer, kv_cache=job.kv_cache,
+                stop=job.calib_stop, progress=advance,
+            )  # fmt: skip
+    except NothingObserved as e:  # an unfused expert: name it as the checkpoint does, and say why
+        unseen = [n for n, p in paths.items() if p == e.module and p != n]
+        if not unseen:
+            raise
+        raise MixprecError(
+            f"calibration routed no token to MoE expert weight {unseen[0]!r}: use more --calib-samples, "
+            "or keep it in high precision with --ignore"
+        ) from None
+    return result, model, {n: result.input_amax[p] for n, p in paths.items()}
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _calibration_modules(model: Any, names: Sequence[str], lw: LinearWeights) -> dict[str, str]:
+    """{checkpoint name: module path in the loaded model} of the Linears whose inputs are observed;
+    fused experts are unfused first (experts.py) so that each expert's inputs can be seen."""
+    paths = unfuse_for_calibration(model, lw.experts) if any(n in lw.experts for n in names) else {}
+    modules = dict(model.named_modules())
+    out = {}
+    for n in names:
+        path = paths.get(n, n)
+        if path not in modules:
+            raise MixprecError(f"calibration: the loaded model has no module {n!r} (a checkpoint name)")
+        out[n] = path
+    return out
+
+
+def _attention_module_name(model: Any, layer_idx: int) -> str:
+    for name, m in model.named_modules():
+        if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "k_proj"):
+            return name
+    raise MixprecError(f"no attention module with layer_idx {layer_idx} and a k_proj for the KV-cache scales")
+
+
+__all__ = ["NOT_CALIBRATED", "Calibration", "calibrate_job"]

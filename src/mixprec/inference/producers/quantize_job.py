@@ -1,0 +1,132 @@
+"""The job of an offline quantization (QuantizeJob: quantize_checkpoint's arguments, frozen and
+validated before any work) and the first steps of its pipeline: what `resolve` finds in the input
+(Source) and what `select` makes of it (Selection) — producers/quantize.py runs the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mixprec.errors import MixprecError
+from mixprec.hf import read_config
+from mixprec.inference.calibration.data import load_texts
+from mixprec.inference.calibration.observers import make_observer
+from mixprec.inference.calibration.run import StopRule
+from mixprec.inference.checkpoint import configs, layout
+from mixprec.inference.checkpoint.linear_weights import LinearWeights
+from mixprec.inference.checkpoint.publish import parse_size
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, check_output, open_checkpoint
+from mixprec.inference.mixed import MIXED, mixed_assignment
+from mixprec.inference.schemes import InferenceScheme, resolve_ignore
+
+KV_CACHE_WORDS = (None, "fp8", "fp8_e4m3", "e4m3")  # what --kv-cache takes
+
+
+def read_source_config(model_dir: Path) -> dict[str, Any]:
+    """The input's config.json (mixprec.hf.read_config), refused when it is already quantized."""
+    cfg = read_config(model_dir)
+    if "quantization_config" in cfg:
+        raise MixprecError(f"{model_dir / 'config.json'} already has a quantization_config "
+                           f"({cfg['quantization_config'].get('quant_method')}): the checkpoint is already quantized")  # fmt: skip
+    return cfg
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """One offline quantization: the arguments of quantize_checkpoint, resolved and validated (build)
+    before anything is read or written. `scheme` is the one scheme, or MIXED with `assignment`
+    ({Linear: scheme}) for a mixed-precision checkpoint."""
+
+    model_dir: Path
+    output_dir: Path
+    scheme: InferenceScheme
+    assignment: Mapping[str, InferenceScheme] | None
+    ignore: tuple[str, ...]  # the patterns, user's and defaults
+    calib_data: str | Path | None
+    calib_samples: int
+    calib_seq_len: int
+    observer: str
+    calib_stop: StopRule | None
+    format: str
+    kv_cache: bool
+    force: bool
+    max_shard_bytes: int
+    layer_by_layer: bool | None
+    progress: bool
+    strict: bool
+
+    @classmethod
+    def build(cls, model_dir: str | Path, output_dir: str | Path, scheme: Any, *, ignore: Sequence[str] | None,
+              default_ignore: bool, kv_cache: str | None, max_shard_size: str | int, **rest: Any) -> QuantizeJob:  # fmt: skip
+        """The job of quantize_checkpoint's arguments (`rest`: the ones taken as they are); MixprecError
+        for a bad scheme, layout, --kv-cache word, shard size, observer, or missing calibration data."""
+        assignment = mixed_assignment(scheme)
+        sch = InferenceScheme.from_name(scheme) if assignment is None else MIXED
+        fmt = rest["format"]
+        if fmt not in layout.LAYOUTS:
+            raise MixprecError(f"unknown checkpoint format {fmt!r}; known: {', '.join(layout.LAYOUTS)}")
+        if kv_cache not in KV_CACHE_WORDS:
+            raise MixprecError(f"--kv-cache takes 'fp8', got {kv_cache!r}")
+        if fmt == "hf-fp8":
+            if assignment is not None:
+                raise MixprecError(
+                    "a mixed-precision checkpoint is written in the compressed-tensors layout only"
+                )
+            configs.hf_fp8_quantization_config(sch, [])  # refuses non-block schemes
+            if kv_cache:
+                raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
+        job = cls(Path(model_dir), Path(output_dir), sch, assignment, resolve_ignore(ignore, defaults=default_ignore),
+                  kv_cache=bool(kv_cache), max_shard_bytes=parse_size(max_shard_size), **rest)  # fmt: skip
+        if job.calibrates:
+            calibrated = job.calibrated_schemes
+            if job.calib_data is None:
+                raise MixprecError(f"{'scheme ' + calibrated[0].name if calibrated else '--kv-cache fp8'} needs "
+                                   "--calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")  # fmt: skip
+            make_observer(job.observer)  # fail on a bad name before any work
+        return job
+
+    @property
+    def calibrated_schemes(self) -> list[InferenceScheme]:
+        return [
+            s for s in (self.assignment or {self.scheme.name: self.scheme}).values() if s.needs_calibration
+        ]
+
+    @property
+    def calibrates(self) -> bool:
+        return bool(self.calibrated_schemes) or self.kv_cache
+
+
+@dataclass(frozen=True)
+class Source:
+    """The input as resolved: its tensors (headers), its config.json, the calibration texts (or None)."""
+
+    ckpt: Checkpoint
+    config: dict[str, Any]
+    texts: list[str] | None
+
+
+def resolve(job: QuantizeJob) -> Source:
+    """Open the input (refusing a quantized one) and the output's place; read the calibration texts."""
+    ckpt = open_checkpoint(job.model_dir)
+    check_output(job.model_dir, job.output_dir, job.force)
+    config = read_source_config(job.model_dir)
+    return Source(ckpt, config, load_texts(job.calib_data) if job.calibrates else None)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """targets: the Linears quantized ({name: (out, in)}) and their schemes; skipped: the Linear
+    modules a reader must leave alone (the checkpoint's ignore list), with reasons; kept: every weight
+    left in high precision -> (kind, reason)."""
+
+    lw: LinearWeights
+    targets: dict[str, tuple[int, int]]
+    skipped: dict[str, str]
+    kept: dict[str, tuple[str, str]]
+    schemes: dict[str, InferenceScheme]
+
+
+__all__ = ["QuantizeJob", "Selection", "Source", "read_source_config", "resolve"]

@@ -1,0 +1,217 @@
+"""Streaming the tensors of an offline quantization: every input tensor to the planned shard writer,
+in plan order. Linear weights are read and quantized on worker threads (one intra-op thread each:
+torch releases the GIL, and small per-op parallel regions are slow on a busy machine), a few ahead of
+the writer; the calling thread writes them in order, and streams the tensors kept unchanged through a
+small buffer (read, checked for NaN/inf, written). Read and payload buffers are reused, so memory stays
+at a few Linear weights and pages are not faulted in again for every tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.conversion import ConversionReport
+from mixprec.formats import E4M3
+from mixprec.inference.checkpoint.layout import planned_tensors
+from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint, PlannedShardWriter, ShardReader
+from mixprec.inference.checkpoint.scales_file import layer_entry
+from mixprec.inference.producers.quantize_blocks import quantize_block_task
+from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
+from mixprec.progress import progress_bar
+from mixprec.scaling import compute_scale
+
+# Bytes of a tensor written unchanged that are read, checked and written at a time.
+COPY_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What streaming needs to know: the Linears quantized ({name: (out, in)}) and their schemes, the
+    checkpoint layout they are written in, calibrated input amax, NVFP4's shared global scales."""
+
+    targets: dict[str, tuple[int, int]]
+    schemes: dict[str, InferenceScheme]
+    layout: str
+    input_amax: dict[str, float]
+    weight_globals: dict[str, torch.Tensor]
+
+
+def stream_tensors(
+    ckpt: Checkpoint,
+    writer: PlannedShardWriter,
+    plan: StreamPlan,
+    layers: dict[str, dict[str, Any]],
+    report: ConversionReport,
+    progress: bool,
+) -> None:
+    """Every input tensor to the writer, in plan order; each quantized Linear's scales-file entry into
+    `layers` and the report."""
+    workers = max(1, min(4, os.cpu_count() or 1))
+    weight_bytes = max((ckpt.tensors[f"{m}.weight"].nbytes for m in plan.targets), default=0)
+    payload_elems = max((o * i for o, i in plan.targets.values()), default=0)
+    chunk = torch.empty(COPY_CHUNK_BYTES, dtype=torch.uint8)
+    title = f"quantizing ({'+'.join(dict.fromkeys(s.name for s in plan.schemes.values()))})"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    queue = None
+    try:
+        with (
+            ShardReader() as reader,
+            ThreadPoolExecutor(max_workers=workers) as pool,
+            progress_bar(progress, title, len(ckpt.tensors)) as advance,
+        ):
+            queue = _TaskQueue(
+                ckpt, plan, reader, pool, _BufferPool(weight_bytes), _BufferPool(payload_elems)
+            )
+            queue.fill(depth=workers + 1)  # quantize tasks in flight
+            while queue.pending:
+                info, module, fut = queue.pending.popleft()
+                if fut is None:
+                    _copy_through(reader, writer, info, chunk)
+                else:
+                    queue.in_flight -= 1
+                    out, entry, payload = fut.result()
+                    for name, tensor in out:
+                        writer.write(name, tensor)
+                    queue.out_pool.release(payload)
+                    layers[module] = entry
+                    family = plan.schemes[module].family
+                    report.add_quantized_linear(module, "Linear", info.nbytes // info.dtype.itemsize, entry, family, family)  # fmt: skip
+                    queue.fill(depth=workers + 1)
+                report.weight_bytes_before += info.nbytes
+                advance()
+    except BaseException:
+        if queue is not None:
+            queue.cancel()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _TaskQueue:
+    """The input tensors in plan order, each with its quantize task (a future) when it is a target
+    Linear's weight: submitted ahead of the writer, at most `depth` in flight."""
+
+    def __init__(self, ckpt: Checkpoint, plan: StreamPlan, reader: ShardReader, pool: ThreadPoolExecutor,
+                 in_pool: _BufferPool, out_pool: _BufferPool) -> None:  # fmt: skip
+        self.todo = iter(ckpt.tensors.items())
+        self.plan, self.reader, self.pool = plan, reader, pool
+        self.in_pool, self.out_pool = in_pool, out_pool
+        self.pending: deque[tuple[Any, str | None, Future | None]] = deque()
+        self.in_flight = 0
+
+    def _submit(self) -> bool:
+        p = self.plan
+        for n, info in self.todo:
+            module = n[: -len(".weight")] if n.endswith(".weight") else None
+            if module in p.targets:
+                fut = self.pool.submit(
+                    _quantize_task, self.reader, info, module, p.targets[module], p.schemes[module], p.layout,
+                    p.input_amax.get(module), self.in_pool, self.out_pool, p.weight_globals.get(module),
+                )  # fmt: skip
+                self.pending.append((info, module, fut))
+                self.in_flight += 1
+                return True
+            self.pending.append((info, None, None))
+        return False
+
+    def fill(self, depth: int) -> None:
+        while self.in_flight < depth and self._submit():
+            pass
+
+    def cancel(self) -> None:
+        """Let running tasks finish before their buffers go away."""
+        for _, _, fut in self.pending:
+            if fut is not None:
+                fut.cancel()
+
+
+class _BufferPool:
+    """Reusable flat buffers of `size` elements (uint8), handed out one per task in flight."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty(self.size, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def _copy_through(reader: ShardReader, writer: PlannedShardWriter, info, chunk: torch.Tensor) -> None:
+    """A tensor written unchanged: streamed through `chunk`, floating ones checked for NaN/inf."""
+    step = len(chunk) - len(chunk) % max(1, info.dtype.itemsize)
+    check = info.dtype in FLOAT_DTYPES
+
+    def pieces():
+        for start in range(0, info.nbytes, step):
+            n = min(step, info.nbytes - start)
+            mv = memoryview(chunk.numpy())[:n]
+            reader.read_range(info, start, mv)
+            if check and n:
+                values = chunk[:n].view(info.dtype)
+                lo, hi = torch.aminmax(values)  # NaN propagates; an inf shows in lo or hi
+                if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+                    check_finite(reader.get(info), info.name)  # the whole tensor: the exact count
+            yield mv
+
+    writer.write_chunks(info.name, info.dtype, info.shape, pieces())
+
+
+def _quantize_task(
+    reader: ShardReader,
+    info,
+    module: str,
+    shape: tuple[int, int],
+    sch: InferenceScheme,
+    layout: str,
+    in_amax: float | None,
+    in_pool: _BufferPool,
+    out_pool: _BufferPool,
+    global_scale: torch.Tensor | None = None,
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]:
+    """Read and quantize one Linear weight (on a worker thread): the output tensors in plan order, its
+    scales-file entry, and the payload buffer to release once written."""
+    if not sch.is_fp8:
+        return quantize_block_task(reader, info, module, shape, sch, in_amax, in_pool, out_pool, global_scale)
+    buf = in_pool.get()
+    try:
+        w = reader.get(info, out=buf)
+        payload = out_pool.get()
+        data = payload[: w.numel()].view(torch.float8_e4m3fn).view(shape)
+        q, stats = quantize_weight(w, sch, name=info.name, out=data)
+    finally:
+        in_pool.release(buf)
+    # named as the layout table planned them: payload, weight scale, input scale
+    names = [name for name, _, _ in planned_tensors(module, shape, sch, layout)]
+    out = [(names[0], q.data), (names[1], q.scale.reshape(sch.scale_shape(*shape)))]
+    in_scale = None
+    if sch.needs_calibration:
+        in_scale = compute_scale(in_amax, E4M3).reshape(1)
+        out.append((names[2], in_scale))
+    entry = layer_entry(
+        scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
+        weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
+        input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
+        input_granularity=sch.input_granularity.name,
+    )  # fmt: skip
+    return out, entry, payload
+
+
+__all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "stream_tensors"]
