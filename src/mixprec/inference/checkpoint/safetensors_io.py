@@ -14,6 +14,7 @@ bytes are appended as soon as it exists; nothing is buffered beyond the tensor a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -48,6 +49,11 @@ _DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes a tensor of this shape and dtype takes in a shard (a 0-dim tensor: one element)."""
+    return math.prod(shape) * dtype.itemsize
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -58,10 +64,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 @dataclass
@@ -259,10 +262,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
