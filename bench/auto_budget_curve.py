@@ -94,25 +94,27 @@ def _verdict(iv) -> str:
     return "yes" if iv.high < 0 else ("no" if iv.low > 0 else "not distinguishable")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", required=True, type=Path)
-    ap.add_argument("--out", type=Path, help="PNG of measured change and predicted score against size")
-    args = ap.parse_args()
+def _read_rows(directory: Path) -> dict[str, dict]:
+    """{checkpoint name: its evaluation, bits per weight and, for an automatic one, its predicted score}."""
     rows = {}
-    for ev in sorted(args.dir.glob("ev-*.json")):
+    for ev in sorted(directory.glob("ev-*.json")):
         name = ev.stem[3:]
-        if not (args.dir / name / "config.json").exists():
+        if not (directory / name / "config.json").exists():
             continue
         row = _evaluation(ev)
-        row["bits"] = _bits_per_weight(args.dir / name)
-        report = args.dir / name / "auto_report.json"
+        row["bits"] = _bits_per_weight(directory / name)
+        report = directory / name / "auto_report.json"
         if report.exists():
-            chosen = json.loads(report.read_text())["chosen"]
-            row["predicted"] = chosen["predicted_score"]
-            row["schemes"] = chosen["schemes"]
-            row["budget"] = json.loads(report.read_text())["budget"].get("bits") or row["bits"]
+            doc = json.loads(report.read_text())
+            row["predicted"] = doc["chosen"]["predicted_score"]
+            row["schemes"] = doc["chosen"]["schemes"]
+            row["budget"] = doc["budget"].get("bits") or row["bits"]
         rows[name] = row
+    return rows
+
+
+def _print_tables(rows: dict[str, dict]) -> None:
+    """The checkpoints by size, then each automatic one against every smaller non-automatic one."""
     refs = {round(r["ppl_ref"], 9) for r in rows.values()}
     if len(refs) != 1:
         raise SystemExit(
@@ -146,55 +148,69 @@ def main() -> None:
             print(f"| {name} | {other} | {r['bits']:.3f} / {o['bits']:.3f} | {iv.estimate * 100:+.2f} % "
                   f"[{iv.low * 100:+.2f} %, {iv.high * 100:+.2f} %] | {_verdict(iv)} | {kl.estimate:+.5f} "
                   f"[{kl.low:+.5f}, {kl.high:+.5f}] | {_verdict(kl)} |")  # fmt: skip
+
+
+def _plot(rows: dict[str, dict], directory: Path, out: Path) -> None:
+    """Measured change against size (left) and predicted score against measured change (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, marker in (("auto", "o"), ("heur", "s"), ("", "^")):
+        pick = {
+            n: r
+            for n, r in rows.items()
+            if (n.startswith(kind) if kind else not n.startswith(("auto", "heur")))
+        }
+        if not pick:
+            continue
+        xs = [r["bits"] for r in pick.values()]
+        ys = [r["change"]["estimate"] * 100 for r in pick.values()]
+        err = [[(r["change"]["estimate"] - r["change"]["low"]) * 100 for r in pick.values()],
+               [(r["change"]["high"] - r["change"]["estimate"]) * 100 for r in pick.values()]]  # fmt: skip
+        label = {"auto": "--scheme auto", "heur": "first/last blocks heuristic", "": "uniform"}[kind]
+        left.errorbar(xs, ys, yerr=err, fmt=marker, capsize=3, label=label)
+        for n, x, y in zip(pick, xs, ys):
+            if kind != "auto":  # the automatic points are read off the x axis
+                left.annotate(n, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    left.set_xlabel("bits per weight (scales counted)")
+    left.set_ylabel("perplexity change vs bf16 (%)")
+    left.set_title("measured (mixprec evaluate, 95 % intervals)")
+    left.legend(fontsize=8)
+    auto = sorted((r for r in rows.values() if "predicted" in r), key=lambda r: r["predicted"])
+    right.plot([r["predicted"] for r in auto], [math.log(r["ppl"] / r["ppl_ref"]) for r in auto], "o-",
+               label="--scheme auto")  # fmt: skip
+    # the uniform schemes' predicted scores, from an automatic report (the same scores file)
+    report = next(directory.glob("auto-*/auto_report.json"), None)
+    uniform = json.loads(report.read_text())["uniform"] if report else {}
+    names = {"fp8": "fp8-dynamic"}
+    for name, r in rows.items():
+        score = uniform.get(names.get(name, name), {}).get("predicted_score")
+        if score is not None and "predicted" not in r:
+            right.plot([score], [math.log(r["ppl"] / r["ppl_ref"])], "^", color="tab:green")
+            right.annotate(f"uniform {name}", (score, math.log(r["ppl"] / r["ppl_ref"])), fontsize=7,
+                           xytext=(-60, 4), textcoords="offset points")  # fmt: skip
+    right.legend(fontsize=8)
+    right.set_xlabel("predicted score (sum of gradient-weighted output errors)")
+    right.set_ylabel("measured log(perplexity ratio)")
+    right.set_title("--scheme auto: predicted vs measured")
+    # scores are small: one exponent beside the axis instead of long, overlapping tick labels
+    right.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, type=Path)
+    ap.add_argument("--out", type=Path, help="PNG of measured change and predicted score against size")
+    args = ap.parse_args()
+    rows = _read_rows(args.dir)
+    _print_tables(rows)
     if args.out:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        for kind, marker in (("auto", "o"), ("heur", "s"), ("", "^")):
-            pick = {
-                n: r
-                for n, r in rows.items()
-                if (n.startswith(kind) if kind else not n.startswith(("auto", "heur")))
-            }
-            if not pick:
-                continue
-            xs = [r["bits"] for r in pick.values()]
-            ys = [r["change"]["estimate"] * 100 for r in pick.values()]
-            err = [[(r["change"]["estimate"] - r["change"]["low"]) * 100 for r in pick.values()],
-                   [(r["change"]["high"] - r["change"]["estimate"]) * 100 for r in pick.values()]]  # fmt: skip
-            label = {"auto": "--scheme auto", "heur": "first/last blocks heuristic", "": "uniform"}[kind]
-            left.errorbar(xs, ys, yerr=err, fmt=marker, capsize=3, label=label)
-            for n, x, y in zip(pick, xs, ys):
-                if kind != "auto":  # the automatic points are read off the x axis
-                    left.annotate(n, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-        left.set_xlabel("bits per weight (scales counted)")
-        left.set_ylabel("perplexity change vs bf16 (%)")
-        left.set_title("measured (mixprec evaluate, 95 % intervals)")
-        left.legend(fontsize=8)
-        auto = sorted((r for r in rows.values() if "predicted" in r), key=lambda r: r["predicted"])
-        right.plot([r["predicted"] for r in auto], [math.log(r["ppl"] / r["ppl_ref"]) for r in auto], "o-",
-                   label="--scheme auto")  # fmt: skip
-        # the uniform schemes' predicted scores, from an automatic report (the same scores file)
-        report = next(args.dir.glob("auto-*/auto_report.json"), None)
-        uniform = json.loads(report.read_text())["uniform"] if report else {}
-        names = {"fp8": "fp8-dynamic"}
-        for name, r in rows.items():
-            score = uniform.get(names.get(name, name), {}).get("predicted_score")
-            if score is not None and "predicted" not in r:
-                right.plot([score], [math.log(r["ppl"] / r["ppl_ref"])], "^", color="tab:green")
-                right.annotate(f"uniform {name}", (score, math.log(r["ppl"] / r["ppl_ref"])), fontsize=7,
-                               xytext=(-60, 4), textcoords="offset points")  # fmt: skip
-        right.legend(fontsize=8)
-        right.set_xlabel("predicted score (sum of gradient-weighted output errors)")
-        right.set_ylabel("measured log(perplexity ratio)")
-        right.set_title("--scheme auto: predicted vs measured")
-        # scores are small: one exponent beside the axis instead of long, overlapping tick labels
-        right.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=110)
+        _plot(rows, args.dir, args.out)
 
 
 if __name__ == "__main__":
