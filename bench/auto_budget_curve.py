@@ -110,6 +110,8 @@ def _read_rows(directory: Path) -> dict[str, dict]:
             row["schemes"] = doc["chosen"]["schemes"]
             row["budget"] = doc["budget"].get("bits") or row["bits"]
         rows[name] = row
+    if not rows:
+        raise SystemExit(f"{directory}: no ev-<name>.json beside a checkpoint folder <name>/config.json")
     return rows
 
 
