@@ -319,13 +319,6 @@ def compare(args: argparse.Namespace) -> None:
     the amplification measured within one engine: how much the fp32 -> vLLM-dtype change of the
     activations moves the log-probabilities of the quantized model (mixprec) against the unquantized
     one (transformers)."""
-    import compressed_tensors
-    import torch
-    import transformers
-
-    import mixprec
-    from mixprec.inference.runtime.linear import QuantizedLinear
-
     work = Path(args.work)
     plan = json.loads((work / "plan.json").read_text())
     rows, floors, originals = [], {}, {}
@@ -345,92 +338,115 @@ def compare(args: argparse.Namespace) -> None:
         )  # fmt: skip
         if "quantize_error" in entry:
             row.update(served=False, reason=f"mixprec quantize: {entry['quantize_error']}")
-            rows.append(row)
-            continue
-        if entry["layout"] == "original":
-            if vres.get("ok"):
-                seqs = vres["sequences"]
-                ref32 = _token_logprobs(
-                    _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval()), seqs
-                )
-                ref = _scored(
-                    _in_dtype(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval(), dtype),
-                    seqs,
-                )
-                floors[entry["model"]] = _difference(vres["logprobs"], ref)
-                originals[entry["model"]] = {
-                    "dtype_change": _difference(ref32, ref),
-                    "nll": _nll(vres["logprobs"]),
-                }
-                row.update(floor=floors[entry["model"]], floor_fp32=_difference(vres["logprobs"], ref32),
-                           dtype_change=originals[entry["model"]]["dtype_change"], vllm_nll=_nll(vres["logprobs"]))  # fmt: skip
-            else:
-                row["reason"] = vres.get("reason")
-            rows.append(row)
-            continue
-        # compressed-tensors' loader (through transformers) dequantizes the weights: the same model with
-        # unquantized activations
-        kw = {}
-        # transformers 5.24's dequantizing loader gives every Linear the first config group's scheme, so a
-        # mixed-precision checkpoint is read as stored (each Linear in its group's scheme; docs/auto.md)
-        if entry["layout"].startswith("compressed-tensors") and not entry["scheme"].startswith("auto"):
-            kw["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
-        if vres.get("ok"):
-            seqs = vres["sequences"]
-            ours = _scored(_in_dtype(mixprec.load_quantized(entry["dir"]).eval(), dtype), seqs)
-            ours32 = _token_logprobs(_in_fp32(mixprec.load_quantized(entry["dir"]).eval()), seqs)
-            orig = originals.get(entry["model"], {})
-            row.update(vs_mixprec=_difference(vres["logprobs"], ours), floor=floors.get(entry["model"]),
-                       vs_mixprec_fp32=_difference(vres["logprobs"], ours32),
-                       dtype_change=_difference(ours32, ours),
-                       vllm_nll=_nll(vres["logprobs"]), mixprec_nll=_nll(ours),
-                       vllm_nll_original=orig.get("nll"))  # fmt: skip
-            if row["floor"] and orig.get("dtype_change") and orig["dtype_change"]["mean_abs"] > 0:
-                amp = row["dtype_change"]["mean_abs"] / orig["dtype_change"]["mean_abs"]
-                row["amplification"] = amp
-                row["floor_quantized"] = {k: v * amp if k != "tokens" else v for k, v in row["floor"].items()}
-                row["within_floor"] = row["vs_mixprec"]["mean_abs"] <= row["floor_quantized"]["mean_abs"]
-            try:
-                hf = _in_dtype(
-                    transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval(), dtype
-                )
-                theirs = _scored(hf, seqs)
-                row["vs_weights_only"] = _difference(vres["logprobs"], theirs)
-                row["mixprec_vs_weights_only"] = _difference(ours, theirs)
-            except Exception as e:  # recorded, not hidden
-                row["transformers_error"] = f"{type(e).__name__}: {e}"[:300]
-        elif (entry["id"] in previous and not previous[entry["id"]].get("served")
-              and previous[entry["id"]].get("fallback")):  # fmt: skip
+        elif entry["layout"] == "original":
+            _original_row(entry, vres, dtype, row, floors, originals)
+        elif vres.get("ok"):
+            _served_row(
+                entry, vres, dtype, row, floors.get(entry["model"]), originals.get(entry["model"], {})
+            )
+        elif previous.get(entry["id"], {}).get("fallback") and not previous[entry["id"]].get("served"):
             row.update(reason=vres.get("reason"), fallback=previous[entry["id"]]["fallback"])
         else:
             row["reason"] = vres.get("reason")
-            # what this engine cannot run: checked with compressed-tensors' loader instead (fp32 compute)
-            try:
-                hf = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval())
-                mine = _in_fp32(mixprec.load_quantized(entry["dir"]).eval())
-                same = total = 0
-                for name, m in mine.named_modules():
-                    if isinstance(m, QuantizedLinear):
-                        total += 1
-                        # transformers dequantizes into the model's dtype: compare in that dtype
-                        wdtype = getattr(hf.config, "dtype", None) or torch.float32
-                        wdtype = getattr(torch, wdtype) if isinstance(wdtype, str) else wdtype
-                        theirs = hf.get_submodule(name).weight.detach().to(wdtype)
-                        same += torch.equal(theirs, m.dequantized_weight().to(wdtype))
-                seqs = [p for p in entry["prompts"]]
-                row["fallback"] = {
-                    "loader": f"transformers {transformers.__version__} + compressed-tensors {compressed_tensors.__version__}",
-                    "weights_bit_identical": f"{same}/{total}",
-                    "vs_mixprec": _difference(_token_logprobs(hf, seqs), _token_logprobs(mine, seqs)),
-                }
-            except Exception as e:  # recorded, not hidden
-                row["fallback"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            row["fallback"] = _fallback(entry)
         rows.append(row)
-        print(f"compared {entry['id']}", flush=True)
+        if "quantize_error" not in entry and entry["layout"] != "original":
+            print(f"compared {entry['id']}", flush=True)
     doc = {"schema_version": 2, "machine": {"cpu": _cpu_flags(), "cores": os.cpu_count()}, "rows": rows}
     (work / "serve_check.json").write_text(json.dumps(doc, indent=1))
     (work / "serve_check.md").write_text(markdown(doc))
     print(markdown(doc))
+
+
+def _original_row(entry: dict, vres: dict, dtype: str, row: dict, floors: dict, originals: dict) -> None:
+    """The unquantized model: vLLM against transformers in vLLM's dtype is the floor of every comparison."""
+    import transformers
+
+    if not vres.get("ok"):
+        row["reason"] = vres.get("reason")
+        return
+    seqs = vres["sequences"]
+    ref32 = _token_logprobs(
+        _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval()), seqs
+    )
+    ref = _scored(
+        _in_dtype(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"]).eval(), dtype), seqs
+    )
+    floors[entry["model"]] = _difference(vres["logprobs"], ref)
+    originals[entry["model"]] = {"dtype_change": _difference(ref32, ref), "nll": _nll(vres["logprobs"])}
+    row.update(floor=floors[entry["model"]], floor_fp32=_difference(vres["logprobs"], ref32),
+               dtype_change=originals[entry["model"]]["dtype_change"], vllm_nll=_nll(vres["logprobs"]))  # fmt: skip
+
+
+def _dequantizing_loader_kwargs(entry: dict) -> dict:
+    """compressed-tensors' loader (through transformers) dequantizes the weights: the same model with
+    unquantized activations. transformers 5.24's dequantizing loader gives every Linear the first config
+    group's scheme, so a mixed-precision checkpoint is read as stored (each Linear in its group's scheme;
+    docs/auto.md)."""
+    import transformers
+
+    if entry["layout"].startswith("compressed-tensors") and not entry["scheme"].startswith("auto"):
+        return {"quantization_config": transformers.CompressedTensorsConfig(dequantize=True)}
+    return {}
+
+
+def _served_row(entry: dict, vres: dict, dtype: str, row: dict, floor: dict | None, orig: dict) -> None:
+    """A checkpoint vLLM served: its log-probabilities against mixprec's and against transformers'."""
+    import transformers
+
+    import mixprec
+
+    seqs = vres["sequences"]
+    ours = _scored(_in_dtype(mixprec.load_quantized(entry["dir"]).eval(), dtype), seqs)
+    ours32 = _token_logprobs(_in_fp32(mixprec.load_quantized(entry["dir"]).eval()), seqs)
+    row.update(vs_mixprec=_difference(vres["logprobs"], ours), floor=floor,
+               vs_mixprec_fp32=_difference(vres["logprobs"], ours32), dtype_change=_difference(ours32, ours),
+               vllm_nll=_nll(vres["logprobs"]), mixprec_nll=_nll(ours), vllm_nll_original=orig.get("nll"))  # fmt: skip
+    if row["floor"] and orig.get("dtype_change") and orig["dtype_change"]["mean_abs"] > 0:
+        amp = row["dtype_change"]["mean_abs"] / orig["dtype_change"]["mean_abs"]
+        row["amplification"] = amp
+        row["floor_quantized"] = {k: v * amp if k != "tokens" else v for k, v in row["floor"].items()}
+        row["within_floor"] = row["vs_mixprec"]["mean_abs"] <= row["floor_quantized"]["mean_abs"]
+    try:
+        kw = _dequantizing_loader_kwargs(entry)
+        hf = _in_dtype(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval(), dtype)
+        theirs = _scored(hf, seqs)
+        row["vs_weights_only"] = _difference(vres["logprobs"], theirs)
+        row["mixprec_vs_weights_only"] = _difference(ours, theirs)
+    except Exception as e:  # recorded, not hidden
+        row["transformers_error"] = f"{type(e).__name__}: {e}"[:300]
+
+
+def _fallback(entry: dict) -> dict:
+    """What vLLM cannot run here: checked with compressed-tensors' loader instead (fp32 compute)."""
+    import compressed_tensors
+    import torch
+    import transformers
+
+    import mixprec
+    from mixprec.inference.runtime.linear import QuantizedLinear
+
+    try:
+        kw = _dequantizing_loader_kwargs(entry)
+        hf = _in_fp32(transformers.AutoModelForCausalLM.from_pretrained(entry["dir"], **kw).eval())
+        mine = _in_fp32(mixprec.load_quantized(entry["dir"]).eval())
+        same = total = 0
+        for name, m in mine.named_modules():
+            if isinstance(m, QuantizedLinear):
+                total += 1
+                # transformers dequantizes into the model's dtype: compare in that dtype
+                wdtype = getattr(hf.config, "dtype", None) or torch.float32
+                wdtype = getattr(torch, wdtype) if isinstance(wdtype, str) else wdtype
+                theirs = hf.get_submodule(name).weight.detach().to(wdtype)
+                same += torch.equal(theirs, m.dequantized_weight().to(wdtype))
+        seqs = list(entry["prompts"])
+        return {
+            "loader": f"transformers {transformers.__version__} + compressed-tensors {compressed_tensors.__version__}",
+            "weights_bit_identical": f"{same}/{total}",
+            "vs_mixprec": _difference(_token_logprobs(hf, seqs), _token_logprobs(mine, seqs)),
+        }
+    except Exception as e:  # recorded, not hidden
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def _fmt(d: dict | None) -> str:
