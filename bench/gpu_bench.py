@@ -153,18 +153,44 @@ def environment(run: Run) -> None:
 # GEMM 8192^3 and fused quantization
 
 
-def gemm_section(run: Run) -> None:
-    from mixprec.kernels import native
+def _auto_quantize(x, fmt, g=None):
+    """What "auto" runs on this device (the Triton kernels on CUDA)."""
     from mixprec.quantization import quantize
-    from mixprec.scaling import Granularity as G
 
-    def auto_quantize(x, fmt, g=None):  # what "auto" runs on this device (the Triton kernels on CUDA)
-        return quantize(x, fmt, g, validate_scale=False)
+    return quantize(x, fmt, g, validate_scale=False)
 
+
+def gemm_section(run: Run) -> None:
     n = 256 if DEVICE == "cpu" else 4096 if run.quick else 8192
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    results, rows = _gemm_timings(a, b, n)
+    tensorwise = [
+        results["bf16 torch.mm"] / v for k, v in results.items() if k.startswith("fp8 tensorwise (pre")
+    ]
+    best = max(tensorwise, default=0.0)
+    run.data["sections"]["gemm"] = {
+        "n": n,
+        "ms": results,
+        "best_tensorwise_ratio": best,
+        "target": TARGETS["gemm_8192"],
+    }
+    run.table(
+        f"FP8 vs BF16 GEMM, {n}x{n}x{n} (target >= {TARGETS['gemm_8192']}x; best tensorwise here {best:.2f}x)",
+        ["kernel", "ms", "TFLOP/s", "speed-up vs bf16", "reference"],
+        rows,
+    )
+
+    _quantize_bandwidth(run, a, n)
+
+
+def _gemm_timings(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[dict[str, float], list[list[str]]]:
+    """{kernel: ms} and the table rows of bf16 torch.mm against every FP8 GEMM this device runs."""
+    from mixprec.kernels import native
+    from mixprec.scaling import Granularity as G
+
+    auto_quantize = _auto_quantize
     flops = 2 * n**3
     rows, results = [], {}
 
@@ -231,22 +257,15 @@ def gemm_section(run: Run) -> None:
         )
 
     attempt("fp8 tensorwise incl. dynamic quantization of both", lambda: median_ms(dynamic, reps=10))
-    tensorwise = [
-        results["bf16 torch.mm"] / v for k, v in results.items() if k.startswith("fp8 tensorwise (pre")
-    ]
-    best = max(tensorwise, default=0.0)
-    run.data["sections"]["gemm"] = {
-        "n": n,
-        "ms": results,
-        "best_tensorwise_ratio": best,
-        "target": TARGETS["gemm_8192"],
-    }
-    run.table(
-        f"FP8 vs BF16 GEMM, {n}x{n}x{n} (target >= {TARGETS['gemm_8192']}x; best tensorwise here {best:.2f}x)",
-        ["kernel", "ms", "TFLOP/s", "speed-up vs bf16", "reference"],
-        rows,
-    )
+    return results, rows
 
+
+def _quantize_bandwidth(run: Run, a: torch.Tensor, n: int) -> None:
+    """Fused quantization bandwidth, auto backend against the eager one (bit-identical)."""
+    from mixprec.quantization import quantize
+    from mixprec.scaling import Granularity as G
+
+    auto_quantize = _auto_quantize
     # fused quantization bandwidth: bytes = read bf16 + write 1 byte (+ scales)
     qrows = []
     for g in (G.tensor(), G.rows(), G.blocks(1, 128), G.blocks(128, 128), G.mx(32)):
