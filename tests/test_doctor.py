@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -67,13 +68,16 @@ def test_cpuinfo_flags_name_the_bf16_units():
     model, flags = hardware.parse_cpuinfo(SAPPHIRE_RAPIDS)
     assert model == "Intel Xeon Platinum 8480+" and {"amx_bf16", "amx_tile"} <= flags
     assert hardware.parse_cpuinfo("") == (None, set())
+    graviton3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\nCPU part\t: 0xd40\n"
+    assert "bf16" in hardware.parse_cpuinfo(graviton3)[1]
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo (Linux)")
 def test_this_cpu_is_detected_from_proc_cpuinfo():
     _, flags = hardware.parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     caps = hardware.detect()
-    assert caps.cpu_flags_bf16 == ("avx512_bf16" in flags)
+    arm = platform.machine() in ("aarch64", "arm64")
+    assert caps.cpu_flags_bf16 == ("avx512_bf16" in flags or (arm and "bf16" in flags))
     assert caps.cpu_flags_amx == bool({"amx_bf16", "amx_tile"} & flags)
 
 

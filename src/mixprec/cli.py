@@ -24,6 +24,7 @@ from mixprec.commands import (
     torchrun,
 )
 from mixprec.errors import MixprecError
+from mixprec.kernels import emulation
 from mixprec.ranks import launched_rank
 
 COMMANDS = (
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
+    parser.add_argument(
+        "--gemm-emulation",
+        choices=emulation.BACKENDS,
+        help="arithmetic of the emulated FP8/FP4 GEMMs on the CPU: bf16 units where the CPU has them "
+        f"(auto, the default), or fp32 to reproduce numbers across machines (also ${emulation.ENV_VAR})",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS:
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
@@ -71,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if refusal:
             raise MixprecError(refusal)
+        emulation.requested()  # a bad $MIXPREC_GEMM_EMULATION fails here, before any work
+        emulation.set_backend(args.gemm_emulation)
         return int(args._run(args) or 0)
     except MixprecError as err:
         if args.debug:
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"mixprec {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        emulation.set_backend(None)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,14 @@ dequantization are tensor ops there (same math; eager keeps the faster BLAS alph
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import decode, decode_unscaled
-from mixprec.kernels import native
+from mixprec.kernels import emulation, native
 from mixprec.kernels.hardware import detect
 from mixprec.scaling import Granularity, QuantizedTensor, apply_blockwise, as_transposed, expand_scale
 
@@ -166,11 +167,16 @@ def _with_exact_values(q: QuantizedTensor) -> DecodedTensor:
 def _emulated(
     a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """fp32 GEMM of the decoded operands; scales, bias and the output cast in as few passes as possible."""
+    """fp32-accumulated GEMM of the decoded operands; scales, bias and the output cast in as few passes
+    as possible, on the arithmetic mixprec.kernels.emulation picks (fp32, or the CPU's bf16 units)."""
     k = a.data.shape[1]
-    k_uniform = k_block(a.granularity, k) == k and k_block(b.granularity, k) == k
-    if not k_uniform:
-        out = dequantize_blockwise(a) @ dequantize_blockwise(b).t()
+    arith = emulation.backend_for(a.data.device)
+    if arith == "bf16" and not (_bf16_exact_format(a.fmt) and _bf16_exact_format(b.fmt)):
+        arith = "fp32"
+    if k_block(a.granularity, k) != k or k_block(b.granularity, k) != k:
+        out = _blocked_bf16(a, b) if arith == "bf16" else None
+        if out is None:
+            out = dequantize_blockwise(a) @ dequantize_blockwise(b).t()
         if bias is not None:
             out.add_(bias.float())
         return out if out_dtype == torch.float32 else out.to(out_dtype)
@@ -193,12 +199,14 @@ def _emulated(
         if bias is not None:
             out = out + bias.float()
         return out if out_dtype == torch.float32 else out.to(out_dtype)
-    if sa.numel() == 1 and sb.numel() == 1:  # per tensor: BLAS alpha scales the sums; bias is the beta term
+    if sa.numel() == 1 and sb.numel() == 1 and arith == "fp32":
+        # per tensor: BLAS alpha scales the sums; bias is the beta term. (oneDNN's bf16 GEMM would
+        # apply alpha to an input, inexactly: the bf16 backend multiplies the fp32 sums below instead)
         alpha = float(sa * sb)
         base = bias.float() if bias is not None else torch.zeros((), device=va.device)
         out = torch.addmm(base, va, vb, beta=1 if bias is not None else 0, alpha=alpha)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
-    out = torch.mm(va, vb)
+    out = _matmul(arith, va, vb)
     if sa.numel() == 1 or sb.numel() == 1:
         last = sa * sb  # one broadcast vector: [M, 1] or [1, N]
     else:
@@ -213,6 +221,120 @@ def _emulated(
     if bias is not None:
         out.add_(bias.float())
     return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Emulation on the CPU's bf16 units (mixprec.kernels.emulation says when)
+#
+# The bf16 GEMM takes fp32 tensors whose every value is exact in bf16 (_matmul's contract; tests check
+# each operand): decoded payloads, alone or times an E8M0 / E4M3 block scale (a product of at most
+# 2 + 4 significant bits: exact). Its products are exact in fp32 and summed in fp32, so K-uniform
+# scales (per tensor, per row) give the fp32 path's result up to the order of the fp32 sums: where those
+# sums are exact (E2M1 payloads; FP8 over short K) the result is bit-identical. K-blocked fp32 scales
+# (1x128, 128x128) are not bf16 values: the GEMM is split per K-chunk and the scales multiply the fp32
+# partials, as a blockwise kernel does (each partial is exact where the fp32 path rounds each scaled
+# element instead: a bound, not bit-identity). NVFP4's global scales divide the result once.
+
+_BF16_TINY = 2.0**-63  # operand values at or above it keep every product above fp32/bf16 subnormals
+_BF16_HUGE = 2.0**63  # and below it every product below fp32's overflow
+_PARTIALS_BYTES = 256 << 20  # fp32 partial results held at once by the K-chunked GEMM
+
+
+def _bf16_exact_format(fmt) -> bool:
+    """Every value of the payload format is a normal bf16 value (FP8, FP6, FP4: not fp16 or bf16)."""
+    return fmt.mantissa_bits <= 7 and fmt.exponent_bits < 8
+
+
+def _matmul(arith: str, x: torch.Tensor, y: torch.Tensor, op=torch.mm) -> torch.Tensor:
+    """op(x, y) on the chosen arithmetic: the one place the emulation's matmuls run (bf16-exact x, y)."""
+    with emulation.gemm_context(arith):
+        return op(x, y)
+
+
+@dataclass(frozen=True)
+class _Bf16Operand:
+    """dequant(q)[:, K-block j] == values[:, K-block j] * row_scales[j] / divisor, with values exact in
+    bf16: the block scales inside values (E8M0, E4M3), or fp32 scales per (K-block, row) outside."""
+
+    values: torch.Tensor  # fp32 [rows, K], every value bf16-exact
+    row_scales: torch.Tensor  # fp32 [K-blocks, rows] or [K-blocks, 1] or [1, 1]
+    k_block: int  # K elements per row of row_scales (K when one row covers all of K)
+    divisor: torch.Tensor | None  # NVFP4's global scale, divides the result once
+
+
+def _bf16_operand(q: QuantizedTensor) -> _Bf16Operand | None:
+    """q as bf16-exact values and outside scales; None when a scaled value would leave the range in
+    which products stay normal fp32 numbers (the bf16 dot-product instructions flush subnormals)."""
+    rows, k = q.data.shape
+    g = q.granularity
+    if g.scale_format == "fp32":
+        values, factor = _values_unscaled(q)
+        grid = q.scale.float() * factor  # [row blocks, K blocks] or [1, 1]; factor: a power of two
+        if not bool(torch.isfinite(grid).all()):  # scales near fp32's maximum: the exact values instead
+            values, grid = decode(q.data, q.fmt), q.scale.float()
+        if grid.shape[0] > 1:
+            grid = grid.repeat_interleave(g.block_shape(rows, k)[0], dim=0)[:rows]
+        return _Bf16Operand(values, grid.t().contiguous(), k_block(g, k), None)
+    scales = q.scale.float()
+    nonzero = scales[scales > 0]
+    if nonzero.numel() and (
+        float(nonzero.min()) * q.fmt.min_subnormal < _BF16_TINY
+        or float(nonzero.max()) * q.fmt.max >= _BF16_HUGE
+    ):
+        return None
+    values = apply_blockwise(decode(q.data, q.fmt), scales, g, torch.mul)
+    divisor = None if q.global_scale is None else q.global_scale.float().reshape(())
+    return _Bf16Operand(values, torch.ones(1, 1, device=values.device), k, divisor)
+
+
+def _blocked_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
+    """fp32 [M, N] for operands with K-blocked scales, on the bf16 units; None where it cannot."""
+    pa, pb = _bf16_operand(a), _bf16_operand(b)
+    if pa is None or pb is None:
+        return None
+    k = pa.values.shape[1]
+    # K-chunks: the K-blocks of the operands whose outside scales vary along K (both nest, or none)
+    blocks = [op.k_block for op in (pa, pb) if op.row_scales.shape[0] > 1]
+    chunk = math.gcd(*blocks) if blocks else k
+    if chunk < min(_MIN_K_BLOCK, k):  # blockings sharing only short chunks (1x40 and 1x128: 8)
+        return None
+    if chunk == k:
+        out = _matmul("bf16", pa.values, pb.values.t())
+        out.mul_(pa.row_scales[0][:, None]).mul_(pb.row_scales[0][None, :])
+    else:
+        out = _chunked_bf16(pa, pb, chunk)
+    for divisor in (pa.divisor, pb.divisor):
+        if divisor is not None:
+            out.div_(divisor)
+    return out
+
+
+def _chunk_scales(op: _Bf16Operand, chunks: int, chunk: int) -> torch.Tensor:
+    """[chunks, rows] row scales: chunk c lies inside K-block (c * chunk) // k_block (chunk divides it)."""
+    index = torch.arange(chunks, device=op.values.device) * chunk // op.k_block
+    return op.row_scales[index.clamp_max(op.row_scales.shape[0] - 1)]
+
+
+def _chunked_bf16(pa: _Bf16Operand, pb: _Bf16Operand, chunk: int) -> torch.Tensor:
+    """sum over K-chunks c of (a_c @ b_c.T) * a's row scales of c * b's row scales of c, in fp32: one
+    batched bf16 GEMM per group of chunks whose partials fit _PARTIALS_BYTES."""
+    (m, k), n = pa.values.shape, pb.values.shape[0]
+    chunks = -(-k // chunk)
+    va, vb = pa.values, pb.values
+    if chunks * chunk != k:  # zero columns contribute nothing to any partial
+        va = torch.nn.functional.pad(va, (0, chunks * chunk - k))
+        vb = torch.nn.functional.pad(vb, (0, chunks * chunk - k))
+    sa, sb = _chunk_scales(pa, chunks, chunk), _chunk_scales(pb, chunks, chunk)
+    a3 = va.reshape(m, chunks, chunk).transpose(0, 1)  # [C, M, chunk]
+    b3 = vb.reshape(n, chunks, chunk).permute(1, 2, 0)  # [C, chunk, N]
+    out = torch.zeros(m, n, device=va.device)
+    group = max(1, _PARTIALS_BYTES // max(1, m * n * 4))
+    for start in range(0, chunks, group):
+        part = slice(start, start + group)
+        partials = _matmul("bf16", a3[part], b3[part], torch.bmm)
+        partials.mul_(sa[part][:, :, None]).mul_(sb[part][:, None, :])
+        out.add_(partials.sum(0))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from mixprec.comparison.runner import load_inputs
 from mixprec.data import train_batch
 from mixprec.errors import MixprecError
 from mixprec.files import check_new_output
+from mixprec.kernels import emulation
 from mixprec.kernels.hardware import describe_machine
 from mixprec.recipes import ROLES
 from mixprec.sensitivity import (
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         model, batches, recipes=recipes, precision=args.precision, lr=args.lr, device=config.device,
         progress=not args.no_progress,
     )  # fmt: skip
-    profile.model, profile.data, profile.machine = info, data.describe(), describe_machine()
+    profile.model, profile.data = info, data.describe()
+    profile.machine = f"{describe_machine()}; {emulation.describe(config.device)}"
     policies = [automatic_policy(profile, r, limits) for r in profile.recipes]
     if args.out:
         write_profile(args.out, profile, policies, force=args.force)
@@ -184,6 +186,6 @@ def print_profile(profile: Profile, policies, out: str | None) -> None:
     for policy in policies:
         if policy.kept:
             console.print(policy.describe(), markup=False, highlight=False)
-    console.print(f"{profile.seconds:.1f} s for {profile.passes} passes ({describe_machine()})")
+    console.print(f"{profile.seconds:.1f} s for {profile.passes} passes ({profile.machine})")
     if out:
         console.print(f"report: {out}/report.html")

@@ -40,6 +40,7 @@ from mixprec.data import TokenizedData, load_corpus, prepare_data, train_batch
 from mixprec.errors import MixprecError
 from mixprec.files import write_text_atomic
 from mixprec.hf import has_tokenizer, load_model, vocab_size
+from mixprec.kernels import emulation
 from mixprec.kernels.hardware import describe_machine, detect
 from mixprec.models import ReferenceModelConfig, build_reference_model
 from mixprec.pages import write_html_report
@@ -148,7 +149,7 @@ def compare(
     summary.data = data_t.describe()
     summary.model = model_info
     summary.speed = speed_figures(results)
-    summary.machine = describe_machine()
+    summary.machine = f"{describe_machine()}; {emulation.describe(config.device)}"
     summary.trained_models = {res.name: res.model for res in results if res.model is not None}
     summary.tokenizer = data_t.tokenizer
     if out_path is not None and ranks.is_main_process():

@@ -46,6 +46,7 @@ from mixprec.hf import (
     transformers_progress,
     vocab_size,
 )
+from mixprec.kernels import emulation
 from mixprec.kernels.hardware import describe_machine, detect
 from mixprec.progress import ProgressBars
 
@@ -318,6 +319,7 @@ def _machine(device: torch.device) -> dict:
         "cuda_device": caps.cuda_device,
         "torch": caps.torch_version,
         "fp8_native": caps.fp8_native,
+        "gemm_emulation": emulation.describe(device),
     }
 
 

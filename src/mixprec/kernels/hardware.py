@@ -25,7 +25,7 @@ class Capabilities:
     python_version: str
     machine: str
     cpu_model: str
-    cpu_flags_bf16: bool  # AVX-512-BF16
+    cpu_flags_bf16: bool  # AVX-512-BF16 (x86) or BF16 (Arm: "bf16" among /proc/cpuinfo's Features)
     cpu_flags_amx: bool  # AMX tiles (bf16)
     cuda_available: bool
     cuda_device: str | None
@@ -41,7 +41,7 @@ class Capabilities:
 
     @property
     def cpu_bf16_native(self) -> bool:
-        """A bf16 matmul on this CPU is fast only with AVX-512-BF16 or AMX."""
+        """A bf16 matmul on this CPU is fast only with AVX-512-BF16, AMX or Arm's BF16 instructions."""
         return self.cpu_flags_bf16 or self.cpu_flags_amx
 
     def to_dict(self) -> dict:
@@ -52,14 +52,14 @@ class Capabilities:
 
 def parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
     """(model name, flags) of the first processor in /proc/cpuinfo's text (x86: "flags" names
-    avx512_bf16, amx_bf16, amx_tile when the CPU has them)."""
+    avx512_bf16, amx_bf16, amx_tile when the CPU has them; Arm: "Features" names bf16)."""
     model, flags = None, None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name" and model is None:
             model = value.strip()
-        elif key == "flags" and flags is None:
+        elif key in ("flags", "Features") and flags is None:
             flags = set(value.split())
         if model is not None and flags is not None:
             break
@@ -104,7 +104,8 @@ def detect() -> Capabilities:
         python_version=platform.python_version(),
         machine=platform.machine(),
         cpu_model=model,
-        cpu_flags_bf16="avx512_bf16" in flags,
+        cpu_flags_bf16="avx512_bf16" in flags
+        or (platform.machine() in ("aarch64", "arm64") and "bf16" in flags),
         cpu_flags_amx="amx_bf16" in flags or "amx_tile" in flags,
         cuda_available=cuda,
         cuda_device=torch.cuda.get_device_name() if cuda else None,
