@@ -140,6 +140,16 @@ def test_bias_and_leading_dims_follow_the_fp32_path(gen):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-5)
 
 
+def test_auto_keeps_fp32_k_block_scales_on_the_fp32_backend(gen, checked_operands, monkeypatch):
+    monkeypatch.setattr(emulation, "native_bf16", lambda: True)
+    with emulation.forced("auto"):
+        scaled_mm(*_operands("1x128 x 128x128", 16, 128, 256, gen))
+        assert checked_operands == []  # the per-chunk partials cost more than the bf16 units save
+        scaled_mm(*_operands("mxfp8", 16, 128, 256, gen))
+        scaled_mm(*_operands("rowwise e4m3", 16, 128, 256, gen))
+    assert len(checked_operands) == 2
+
+
 def test_scales_outside_the_normal_range_fall_back_to_fp32(gen, checked_operands):
     # MX block scales of 2^-127 put products below fp32's normal range: the dot-product units would flush
     a = quantize(torch.randn(8, 64, generator=gen) * 1e-37, "e4m3", Granularity.mx())
