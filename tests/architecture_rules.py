@@ -243,6 +243,7 @@ INFERENCE_ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("mixed", ("mixed",)),  # one scheme per Linear (a mixed checkpoint)
     ("checkpoint", ("checkpoint",)),  # safetensors IO, the layout table, the scales file, publish
     ("calibration", ("calibration",)),  # data, observers, the run, layer by layer
+    ("algorithms", ("algorithms",)),  # what wins back accuracy over round-to-nearest: GPTQ, ...
     ("runtime", ("runtime",)),  # QuantizedLinear, unfused experts, a live model's quantization
     ("products", ("producers", "readers")),  # quantize / save / convert; load / inspect
 ]

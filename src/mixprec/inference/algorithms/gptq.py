@@ -1,0 +1,205 @@
+"""GPTQ (Frantar et al., 2022): round a Linear's weight column by column, each column's rounding error
+pushed onto the columns not yet rounded, weighted by the inverse Hessian of the layer's inputs.
+
+    hessian = HessianAccumulator(in_features); hessian.add(inputs)     # calibration inputs [.., K]
+    result = gptq_quantize(weight, hessian.finish(), "e2m1", Granularity.nvfp4())
+    q = result.quantized          # a QuantizedTensor with the scales GPTQ chose: what the checkpoint holds
+
+Every column is rounded by the one quantize entry (mixprec.quantization.quantize) with the scheme's own
+granularity and scale rule, given the scales of its group: so with an identity Hessian GPTQ is RTN bit
+for bit (tested), and the checkpoint writer re-encodes the result with the same scales exactly.
+- Groups are the K-blocks of the granularity (NVFP4: 16 columns, MX: 32, 1x128 / 128x128: 128; per
+  row and per tensor: all of K). Without activation order a group's scales are chosen from the
+  current (already updated) weight when its first column is reached; with activation order the columns
+  are visited by decreasing Hessian diagonal, groups stay contiguous (the layouts have no g_idx) and
+  every group's scales are fixed up front from the original weight (llm-compressor's actorder="static").
+- NVFP4's global scale comes from the whole original weight (or is given: fused q/k/v share one);
+  a per-tensor scale (fp8-static) is fixed up front, or given (fused groups share the max).
+- Updates can push a value past its group's scale times the format's maximum: the quantizer saturates
+  it (clamps); the count of such elements is reported as `clipped`.
+- Dead input columns (zero Hessian diagonal: an input that was always 0) get weight 0 and diagonal 1.
+- Dampening: `damp` times the mean of the diagonal is added to it (default 1 %); a Hessian that is still
+  not positive definite raises a MixprecError naming the layer.
+The solve is in fp32 (the Hessian and its Cholesky factor, K x K), with lazy block updates of `block`
+columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import MixprecError
+from mixprec.formats import get_format
+from mixprec.quantization import quantize
+from mixprec.scaling import Granularity, QuantizedTensor, as_2d
+
+DEFAULT_DAMP = 0.01
+DEFAULT_BLOCK = 128
+
+
+class HessianAccumulator:
+    """H = 2/n * sum of x x^T over the n calibration rows a Linear reads (fp32 accumulation)."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.in_features = in_features
+        self.sum = torch.zeros(in_features, in_features, device=device)
+        self.rows = 0
+
+    def add(self, inputs: torch.Tensor) -> None:
+        x = as_2d(inputs.detach()).float()
+        if x.shape[1] != self.in_features:
+            raise MixprecError(f"Hessian of {self.in_features} inputs got rows of {x.shape[1]}")
+        self.sum.addmm_(x.t(), x)
+        self.rows += x.shape[0]
+
+    def finish(self) -> torch.Tensor:
+        if self.rows == 0:
+            raise MixprecError("no calibration rows reached this layer: its Hessian is empty")
+        return self.sum * (2.0 / self.rows)
+
+
+@dataclass(frozen=True)
+class GptqResult:
+    quantized: QuantizedTensor  # payload and the scales GPTQ chose (global scale included)
+    clipped: int  # elements the updates pushed past their group's range (saturated)
+    dead_columns: int  # inputs with a zero Hessian diagonal
+    damp: float  # the dampening added to the diagonal (absolute)
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    fmt: str,
+    granularity: Granularity,
+    *,
+    damp: float = DEFAULT_DAMP,
+    block: int = DEFAULT_BLOCK,
+    act_order: bool = False,
+    scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    name: str = "weight",
+) -> GptqResult:
+    """GPTQ-round `weight` [N, K] for the layer inputs' Hessian [K, K]; see the module docstring.
+    scale: a fixed per-tensor scale (fp8-static's fused groups); global_scale: NVFP4's, shared by a
+    fused group. Inputs are not modified."""
+    fmt_ = get_format(fmt)
+    w = _check(weight, hessian, granularity, name)
+    n, k = w.shape
+    h = hessian.detach().float().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    damp_abs = damp * float(torch.diagonal(h).mean())
+    torch.diagonal(h).add_(damp_abs)
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if global_scale is None and granularity.scale_format == "e4m3":
+        global_scale = quantize(weight.detach().float(), fmt_, granularity).global_scale
+    width = k if granularity.block_cols is None else min(granularity.block_cols, k)
+    # scales fixed up front: with activation order, a given scale, or one group over all of K (chosen
+    # at column 0, before any update: the same as up front); else chosen as each group is reached
+    up_front = act_order or scale is not None or width == k
+    fixed = _group_scales(w, fmt_, granularity, width, scale, global_scale) if up_front else {}
+    hinv = _inverse_cholesky(h if order is None else h[order][:, order], name)
+    solver = _Solver(w, fmt_, granularity, width, fixed, global_scale)
+    solver.run(hinv, order, block if width == k else max(width, block - block % width))
+    q = quantize(solver.rounded, fmt_, granularity, scale=solver.scale_grid(n), global_scale=global_scale)
+    return GptqResult(q, solver.clipped, int(dead.sum()), damp_abs)
+
+
+def _check(weight: torch.Tensor, hessian: torch.Tensor, g: Granularity, name: str) -> torch.Tensor:
+    if weight.dim() != 2:
+        raise MixprecError(f"{name}: GPTQ takes a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    k = weight.shape[1]
+    if tuple(hessian.shape) != (k, k):
+        raise MixprecError(f"{name}: Hessian of shape {tuple(hessian.shape)} for a weight with {k} inputs")
+    if not bool(torch.isfinite(hessian).all()):
+        raise MixprecError(f"{name}: the Hessian holds inf or NaN (calibration inputs overflowed)")
+    if g.block_rows is not None and g.block_rows > 1 and g.block_cols is None:
+        raise MixprecError(f"{name}: {g.name} scales vary along the input dimension column by column")
+    return weight.detach().float().clone()
+
+
+def _inverse_cholesky(h: torch.Tensor, name: str) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1 (GPTQ's form: row i holds the update weights of column i)."""
+    factor, info = torch.linalg.cholesky_ex(h)
+    if int(info) != 0:
+        raise MixprecError(
+            f"{name}: the dampened Hessian is not positive definite (column {int(info) - 1}): "
+            "raise the dampening or give more calibration tokens"
+        )
+    inverse = torch.cholesky_inverse(factor)
+    upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+    if int(info) != 0:
+        raise MixprecError(f"{name}: the inverse Hessian is ill-conditioned: raise the dampening")
+    return upper
+
+
+def _group_scales(w, fmt, g, width, scale, global_scale) -> dict[int, torch.Tensor]:
+    """{first column of a group: its scale column} fixed from w (or the given per-tensor scale)."""
+    if scale is not None:
+        return {0: torch.as_tensor(scale, dtype=torch.float32).reshape(1, 1)}
+    return {
+        c0: quantize(w[:, c0 : c0 + width], fmt, g, global_scale=global_scale).scale
+        for c0 in range(0, w.shape[1], width)
+    }
+
+
+class _Solver:
+    """The column loop: each column rounded with its group's scales, the error spread by H^-1."""
+
+    def __init__(self, w, fmt, g, width, fixed, global_scale) -> None:
+        self.w, self.fmt, self.g, self.width = w, fmt, g, width
+        self.scales = dict(fixed)  # {first column of a group: [row blocks, 1] scales}
+        self.global_scale = global_scale
+        self.rounded = torch.empty_like(w)
+        self.clipped = 0
+
+    def round_column(self, column: int, values: torch.Tensor) -> torch.Tensor:
+        scale = self.scales[column - column % self.width]
+        q = quantize(values[:, None], self.fmt, self.g, scale=scale, global_scale=self.global_scale)
+        limit = self.fmt.max * _expand_rows(q.effective_scale(), values.shape[0])
+        self.clipped += int((values.abs() > limit).sum())
+        return q.dequantize()[:, 0]
+
+    def run(self, hinv: torch.Tensor, order: torch.Tensor | None, block: int) -> None:
+        """Blocks of `block` columns (a multiple of the group width, so no group straddles two): within
+        a block the updates go to its columns at once, to the later columns lazily at its end."""
+        w = self.w if order is None else self.w[:, order]
+        columns = list(range(w.shape[1])) if order is None else order.tolist()
+        k = w.shape[1]
+        for b0 in range(0, k, block):
+            b1 = min(b0 + block, k)
+            w_block = w[:, b0:b1].clone()
+            errors = torch.empty_like(w_block)
+            h_block = hinv[b0:b1, b0:b1]
+            for i in range(b1 - b0):
+                column = columns[b0 + i]
+                if column not in self.scales and column % self.width == 0:
+                    # a group's scales come from its columns as updated so far (all in this block)
+                    group = w_block[:, i : i + self.width]
+                    self.scales[column] = quantize(
+                        group, self.fmt, self.g, global_scale=self.global_scale
+                    ).scale
+                values = w_block[:, i]
+                rounded = self.round_column(column, values)
+                self.rounded[:, column] = rounded
+                err = (values - rounded) / h_block[i, i]
+                w_block[:, i:].addr_(err, h_block[i, i:], alpha=-1.0)
+                errors[:, i] = err
+            w[:, b1:].addmm_(errors, hinv[b0:b1, b1:], alpha=-1.0)
+
+    def scale_grid(self, n: int) -> torch.Tensor:
+        """The scales of all groups as the granularity's grid for the whole weight."""
+        return torch.cat([self.scales[c0] for c0 in sorted(self.scales)], dim=1)
+
+
+def _expand_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A [row blocks, 1] scale column as one value per row."""
+    if scale.shape[0] == rows:
+        return scale[:, 0]
+    return scale[:, 0].repeat_interleave(-(-rows // scale.shape[0]))[:rows]
+
+
+__all__ = ["DEFAULT_BLOCK", "DEFAULT_DAMP", "GptqResult", "HessianAccumulator", "gptq_quantize"]
