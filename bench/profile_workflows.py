@@ -4,28 +4,23 @@
     python bench/profile_workflows.py --workflows train --json prof.json
     python bench/profile_workflows.py --workflows evaluate --eval-model ./smol-hf   # a local HF causal LM
 
-Workflows, each at a small but representative size:
-- train: a training step (forward, backward, mixprec.AdamW, scaling advance) per recipe at the shape of
-  bench/bench_training_step.py (and its --quick): 4 x Linear(1024, 1024), 2048 tokens.
-- demo: `mixprec demo`; compare: the default `mixprec compare --out cmp` (fp32, bf16, fp8-delayed,
-  fp8-blockwise). Both profiled with their model, data and intervals, 12 steps a run, no null runs, and
-  extrapolated to their full size: the bucket times of each phase (a training step of recipe R,
-  a held-out evaluation of R, a run's set-up; per call) are scaled to the counts of the full workflow
-  (run_specs of its default configuration: 120 steps, 3 null runs of each recipe); the rest (data and
-  tokenizer, reports, the demo's inference half) counts once.
-- evaluate (with --eval-model): `mixprec evaluate` of an fp8-dynamic and an nvfp4a16 candidate, task lm.
-- quantize: `mixprec quantize --scheme nvfp4a16` (streaming) of bench_checkpoint_quantize's synthetic
-  Llama (hidden 2048, ffn 5632, vocab 32000: real shapes; --quantize-gb sets the size).
+Workflows: train: a training step (forward, backward, mixprec.AdamW, scaling advance) per recipe at
+bench/bench_training_step.py's shape: 4 x Linear(1024, 1024), 2048 tokens. demo: `mixprec demo`; compare:
+the default `mixprec compare --out cmp`; both with their model, data and intervals, 12 steps a run, no
+null runs, extrapolated: each phase's bucket times per call (a training step of recipe R, a held-out
+evaluation of R, a run's set-up) times its count in the full workflow (run_specs of the default
+configuration); the rest (data, tokenizer, reports, the demo's inference half) once. evaluate (with
+--eval-model): `mixprec evaluate` of fp8-dynamic and nvfp4a16 candidates, task lm. quantize: `mixprec
+quantize --scheme nvfp4a16` of bench_checkpoint_quantize's synthetic Llama (real shapes: hidden 2048).
 
-Each runs once plain (its wall time) and once under torch.profiler (CPU activities, record_shapes and
-with_stack off). Every op's self CPU time goes into one bucket, by its name and the innermost mixprec
-range around it: "GEMM emu" (mm/addmm/... inside an emulated GEMM or a quantized Linear's forward: what a
-native bf16 backend would run instead), "GEMM native" (every other GEMM and attention kernel), "decode"
-(the emulated GEMM's other ops: payload decode, scales, casts), "quantizer" (mixprec.quantization's one
-entry), "SR" (stochastic rounding: FP4 gradients, bf16 moments), "RHT" (the random Hadamard transform),
-"other ops", and "Python" = wall - sum of op self times (Python, autograd, dispatch, I/O outside ops).
-The profiler's own cost (profiled wall - plain wall) is taken off "Python", spread over the phases by
-their number of profiled events.
+Each runs once plain (its wall time) and once under torch.profiler (CPU activities, all threads, no
+shapes or stacks). Each op's self CPU time goes into a bucket by its name and the innermost range around
+it: "GEMM emu" (mm/addmm/... in an emulated GEMM or a quantized Linear's forward: what a native bf16
+backend would run instead), "GEMM native" (other GEMMs, attention), "decode" (the emulated GEMM's other
+ops: decode, scales, casts), "quantizer" (mixprec.quantization's entry), "SR" (stochastic rounding: FP4
+gradients, bf16 moments), "RHT" (random Hadamard transform), "optimizer" (torch's Optimizer.step range),
+"other ops"; "Python" = wall - op self times - waits for worker threads - the profiler's own cost
+(profiled - plain wall, spread by number of events): Python, autograd, dispatch, I/O outside ops.
 
 The ranges are wrapped around mixprec's entry points for the profiled run only (wrapped_entries): a
 record_function costs ~6 us here, ~6 % of a quantize call at the demo's sizes: too much for the library.
@@ -46,7 +41,6 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -56,14 +50,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-BUCKETS = ("gemm_emu", "gemm_native", "decode", "quantizer", "sr", "rht", "other", "python")
+BUCKETS = ("gemm_emu", "gemm_native", "decode", "quantizer", "sr", "rht", "optim", "other", "python")
 LABELS = {
     "gemm_emu": "GEMM emu", "gemm_native": "GEMM native", "decode": "decode", "quantizer": "quantizer",
-    "sr": "SR", "rht": "RHT", "other": "other ops", "python": "Python",
+    "sr": "SR", "rht": "RHT", "optim": "optimizer", "other": "other ops", "python": "Python",
 }  # fmt: skip
 R_BUCKETS = ("decode", "quantizer", "sr", "rht")  # what a fast quantizer / decode speeds up (r)
 GEMM_OPS = frozenset({
@@ -82,7 +77,13 @@ ENTRIES = (
     ("mixprec.hadamard", "transform_rows", "mixprec.rht"),
     ("mixprec.hadamard", "transform_columns", "mixprec.rht"),
 )
-METHODS = (("mixprec.scaling", "QuantizedTensor", "dequantize", "mixprec.dequantize"),)
+# and around methods; a worker thread's task and the main thread's wait for it (streaming quantize)
+WAIT, TASK = "mixprec.wait", "mixprec.task"
+METHODS = (
+    ("mixprec.scaling", "QuantizedTensor", "dequantize", "mixprec.dequantize"),
+    ("concurrent.futures", "Future", "result", WAIT),
+    ("concurrent.futures.thread", "_WorkItem", "run", TASK),
+)
 LINEAR_MODULE = "mixprec.inference.runtime.linear"  # every class defining forward: "mixprec.linear"
 RANGE_BUCKET = {"mixprec.quantize": "quantizer", "mixprec.sr": "sr", "mixprec.rht": "rht"}
 EMULATION_RANGES = ("mixprec.emulated_gemm", "mixprec.dequantize", "mixprec.linear")
@@ -95,7 +96,8 @@ PHASES = (
     ("mixprec.comparison.runner", "load_inputs", "data"),
     ("mixprec.demo", "inference_step", "inference"),
 )
-FIXED = ("rest", "")
+FIXED, WORKERS = ("rest", ""), ("worker threads", "")
+OPTIMIZER = "Optimizer.step#"  # the range torch.optim.Optimizer puts around every step
 TRAIN_RECIPES = ("bf16", "fp8-delayed", "fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8",
                  "fp4-nvfp4", "fp4-mxfp4")  # fmt: skip
 
@@ -105,6 +107,8 @@ def classify(op: str, inner: str | None) -> str:
     if inner in RANGE_BUCKET:
         return RANGE_BUCKET[inner]
     gemm = op in GEMM_OPS
+    if inner == OPTIMIZER:
+        return "gemm_native" if gemm else "optim"
     if inner in EMULATION_RANGES:
         return "gemm_emu" if gemm else "decode"
     return "gemm_native" if gemm else "other"
@@ -183,30 +187,28 @@ def _phase(fn: Callable, phase: str, rec: Recorder) -> Callable:
     return wrapper
 
 
-def _emulated_shape(rec: Recorder) -> Callable:
-    def note(a, b, *args, **kwargs):
-        if not rec.in_linear:  # a quantized Linear's forward counted it already
-            rec.shapes[(a.data.shape[0], a.data.shape[1], b.data.shape[0])] += 1
-
-    return note
+def _entry(module: str, attr: str):
+    fn = getattr(importlib.import_module(module), attr, None)
+    if fn is None:  # the buckets would silently be wrong
+        raise SystemExit(f"profile_workflows: {module}.{attr} is gone: update this script")
+    return fn
 
 
 @contextlib.contextmanager
 def wrapped_entries(rec: Recorder):
-    """Ranges around ENTRIES, METHODS, the quantized Linears' forwards and PHASES; restored on exit.
-    A missing entry point stops the script: the buckets would silently be wrong."""
+    """Ranges around ENTRIES, METHODS, the quantized Linears' forwards and PHASES; restored on exit."""
+
+    def note(a, b, *args, **kwargs):  # an emulated GEMM's shape, unless a quantized Linear counted it
+        if not rec.in_linear:
+            rec.shapes[(a.data.shape[0], a.data.shape[1], b.data.shape[0])] += 1
+
     undo: list = []
     try:
         for module, attr, name in ENTRIES:
-            fn = getattr(importlib.import_module(module), attr, None)
-            if fn is None:
-                raise SystemExit(f"profile_workflows: {module}.{attr} is gone: update ENTRIES")
-            before = _emulated_shape(rec) if name == "mixprec.emulated_gemm" else None
-            undo += _rebind(fn, _ranged(fn, name, before))
+            fn = _entry(module, attr)
+            undo += _rebind(fn, _ranged(fn, name, note if name == "mixprec.emulated_gemm" else None))
         for module, attr, phase in PHASES:
-            fn = getattr(importlib.import_module(module), attr, None)
-            if fn is None:
-                raise SystemExit(f"profile_workflows: {module}.{attr} is gone: update PHASES")
+            fn = _entry(module, attr)
             undo += _rebind(fn, _phase(fn, phase, rec))
         for module, cls_name, attr, name in METHODS:
             cls = getattr(importlib.import_module(module), cls_name)
@@ -236,57 +238,75 @@ class Profile:
     plain: float = math.nan  # the same work's wall time unprofiled
     profiled: float = math.nan
     shapes: Counter = field(default_factory=Counter)
+    other_ops: Counter = field(default_factory=Counter)  # the "other ops" bucket by op name
 
 
-def _contexts(events) -> dict[int, tuple[str | None, tuple[str, str]]]:
-    """id(event) -> (innermost mixprec range, phase) of the ranges around it (itself included)."""
+def _contexts(events, workers: set) -> dict[int, tuple[str | None, tuple[str, str]]]:
+    """id(event) -> (innermost mixprec range, phase) of the ranges around it (itself included); every
+    event of a worker thread is in the phase WORKERS."""
     memo: dict[int, tuple] = {}
     for event in events:
         chain, cur = [], event
         while cur is not None and id(cur) not in memo:
             chain.append(cur)
             cur = cur.cpu_parent
-        ctx = memo[id(cur)] if cur is not None else (None, FIXED)
+        ctx = memo[id(cur)] if cur is not None else (None, WORKERS if event.thread in workers else FIXED)
         for ev in reversed(chain):
             if ev.name.startswith("phase:"):
                 phase, _, recipe = ev.name[len("phase:") :].partition("|")
                 ctx = (ctx[0], (phase, recipe))
             elif ev.name in RANGE_BUCKET or ev.name in EMULATION_RANGES:
                 ctx = (ev.name, ctx[1])
+            elif ev.name.startswith(OPTIMIZER):
+                ctx = (OPTIMIZER, ctx[1])
             memo[id(ev)] = ctx
     return memo
 
 
 def analyse(events, profiled: float, plain: float, rec: Recorder) -> Profile:
-    """Bucket the op self times per phase; Python = each phase's wall - its op time - the profiler's
-    share (profiled - plain wall, spread over the phases by their number of events)."""
-    contexts = _contexts(events)
+    """Bucket the op self times per phase; Python = each phase's wall - its op time - its waits for
+    worker threads - the profiler's share (profiled - plain wall, spread over the main thread's phases
+    by their number of events). Worker threads (streaming quantize) count their tasks' time: the whole
+    is then thread-seconds of work, not wall time."""
+    contexts = _contexts(events, {ev.thread for ev in events if ev.name == TASK})
     prof = Profile(plain=plain, profiled=profiled, counts=Counter(rec.counts), shapes=Counter(rec.shapes))
     walls: Counter = Counter()
+    waits: Counter = Counter()
     n_events: Counter = Counter()
     for ev in events:
         inner, phase = contexts[id(ev)]
-        n_events[phase] += 1
+        n_events[phase] += phase != WORKERS
         if is_op(ev.name):
-            prof.buckets[phase][classify(ev.name, inner)] += ev.self_cpu_time_total / 1e6
-        elif ev.name.startswith("phase:"):  # phases never nest
+            bucket = classify(ev.name, inner)
+            prof.buckets[phase][bucket] += ev.self_cpu_time_total / 1e6
+            prof.other_ops[ev.name] += ev.self_cpu_time_total / 1e6 if bucket == "other" else 0.0
+        elif ev.name.startswith("phase:") or ev.name == TASK:  # phases never nest, nor tasks
             walls[phase] += ev.cpu_time_total / 1e6
-    walls[FIXED] = max(0.0, profiled - sum(v for k, v in walls.items() if k != FIXED))
+        elif ev.name == WAIT:
+            waits[phase] += ev.cpu_time_total / 1e6
+    walls[FIXED] = max(0.0, profiled - sum(v for k, v in walls.items() if k not in (FIXED, WORKERS)))
     per_event = max(0.0, profiled - plain) / max(1, sum(n_events.values())) if plain == plain else 0.0
     for phase in set(walls) | set(prof.buckets):
         b = prof.buckets[phase]
         ops = sum(v for k, v in b.items() if k != "python")
-        b["python"] = max(0.0, walls[phase] - ops - per_event * n_events[phase])
+        b["python"] = max(0.0, walls[phase] - ops - waits[phase] - per_event * n_events[phase])
     prof.counts[FIXED] = 1
     return prof
 
 
-def profiled_run(work: Callable[[], None], plain: float) -> Profile:
-    """work() once under the profiler with the entry ranges installed, analysed."""
+def profiled_run(work: Callable[[], None], plain: float | None = None) -> Profile:
+    """work() once under the profiler with the entry ranges installed, analysed; plain: its wall time
+    unprofiled (None: work() is run once unprofiled first to measure it)."""
+    plain = plain_seconds(work) if plain is None else plain
     rec = Recorder()
     with (
         wrapped_entries(rec),
-        profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as p,
+        profile(
+            activities=[ProfilerActivity.CPU],
+            record_shapes=False,
+            with_stack=False,
+            experimental_config=_ExperimentalConfig(profile_all_threads=True),
+        ) as p,
     ):
         t0 = time.perf_counter()
         work()
@@ -311,11 +331,7 @@ def scaled(prof: Profile, full: Counter | None) -> dict[tuple[str, str], dict[st
 
 
 def total(rows: dict) -> dict[str, float]:
-    out = dict.fromkeys(BUCKETS, 0.0)
-    for b in rows.values():
-        for k, v in b.items():
-            out[k] += v
-    return out
+    return {x: sum(b[x] for b in rows.values()) for x in BUCKETS}
 
 
 def amdahl(b: dict[str, float], k: float, r: float) -> float:
@@ -330,18 +346,9 @@ def amdahl(b: dict[str, float], k: float, r: float) -> float:
 # k: bf16 vs fp32 GEMM speed at the workflow's shapes
 
 
-def _median_mm(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def gemm_ratio(shapes: Counter, top: int = 6, reps: int = 3) -> tuple[float, list[dict]]:
+def gemm_ratio(shapes: Counter, top: int = 6, reps: int = 5) -> tuple[float, list[dict]]:
     """k = sum(count * t_fp32) / sum(count * t_bf16) over the `top` shapes (M, K, N) by count * flops,
-    fp32 and bf16 timed interleaved; 1.0 when the workflow has no emulated GEMM."""
+    fp32 and bf16 timed interleaved (mean of reps, each after a warm-up call); 1.0 without emulated GEMMs."""
     chosen = sorted(shapes.items(), key=lambda kv: -kv[1] * math.prod(kv[0]))[:top]
     if not chosen:
         return 1.0, []
@@ -351,10 +358,11 @@ def gemm_ratio(shapes: Counter, top: int = 6, reps: int = 3) -> tuple[float, lis
     for _ in range(reps):
         for (m, k, n), _count in chosen:
             a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-            a16, b16 = a.bfloat16(), b.bfloat16()
-            torch.mm(a, b), torch.mm(a16, b16)  # warm-up
-            t32[(m, k, n)] += _median_mm(a, b, 3)
-            t16[(m, k, n)] += _median_mm(a16, b16, 3)
+            for times, x, y in ((t32, a, b), (t16, a.bfloat16(), b.bfloat16())):
+                torch.mm(x, y)  # warm-up
+                t0 = time.perf_counter()
+                torch.mm(x, y)
+                times[(m, k, n)] += time.perf_counter() - t0
     rows = [{"m": m, "k": k, "n": n, "count": c, "fp32_ms": t32[(m, k, n)] / reps * 1e3,
              "bf16_ms": t16[(m, k, n)] / reps * 1e3} for (m, k, n), c in chosen]  # fmt: skip
     num = sum(r["count"] * r["fp32_ms"] for r in rows)
@@ -389,6 +397,7 @@ def wf_train(args) -> dict[str, tuple[Profile, Counter | None]]:
         merged.plain += prof.plain
         merged.profiled += prof.profiled
         merged.shapes += prof.shapes
+        merged.other_ops += prof.other_ops
     return {f"train step, 4 x Linear(1024), {args.tokens} tokens": (merged, None)}
 
 
@@ -416,17 +425,16 @@ def _reduced(full, steps: int, **overrides):
 
 def wf_compare(args) -> dict[str, tuple[Profile, Counter | None]]:
     from mixprec.comparison.config import CompareConfig
+    from mixprec.comparison.runner import compare
 
     full = CompareConfig()
     config = _reduced(full, 2 * full.eval_interval)
     with tempfile.TemporaryDirectory(prefix="mixprec-prof-") as tmp:
-        from mixprec.comparison.runner import compare
 
         def work():
             compare(config=config, out=Path(tmp) / "cmp", force=True, progress=False)
 
-        plain = plain_seconds(work)
-        prof = profiled_run(work, plain)
+        prof = profiled_run(work)
     return {f"compare (default; profiled at {config.steps} steps, no null runs)": (prof, _full_counts(full))}
 
 
@@ -441,8 +449,7 @@ def wf_demo(args) -> dict[str, tuple[Profile, Counter | None]]:
         def work():
             run_demo(Path(tmp) / "demo", force=True, progress=False, **over)
 
-        plain = plain_seconds(work)
-        prof = profiled_run(work, plain)
+        prof = profiled_run(work)
     return {f"demo (profiled at {config.steps} steps, no null runs)": (prof, _full_counts(full))}
 
 
@@ -453,19 +460,23 @@ def wf_evaluate(args) -> dict[str, tuple[Profile, Counter | None]]:
         return {}
     from mixprec.data import load_corpus
     from mixprec.evaluation.runner import evaluate
+    from mixprec.inference import quantize_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="mixprec-prof-") as tmp:
         data = Path(tmp) / "stdlib.txt"
         data.write_text("\n\n".join(load_corpus(max_chars=400_000).documents))
 
-        def work():
-            for scheme in ("fp8-dynamic", "nvfp4a16"):
+        def work():  # fp8-dynamic is quantized on the fly; nvfp4a16 (no --candidate-scheme) as a checkpoint
+            fp4 = Path(tmp) / "nvfp4a16"
+            with record_function("phase:quantize|nvfp4a16"):
+                quantize_checkpoint(args.eval_model, fp4, scheme="nvfp4a16", force=True, progress=False)
+            for scheme, candidate in (("fp8-dynamic", None), ("nvfp4a16", fp4)):
                 with record_function(f"phase:evaluate|{scheme}"):
-                    evaluate(reference=args.eval_model, candidate_scheme=scheme, data=data, task="lm",
-                             samples=args.eval_samples, progress=False)  # fmt: skip
+                    evaluate(reference=args.eval_model, candidate=candidate, data=data, task="lm",
+                             candidate_scheme=None if candidate else scheme, samples=args.eval_samples,
+                             progress=False)  # fmt: skip
 
-        plain = plain_seconds(work)
-        prof = profiled_run(work, plain)
+        prof = profiled_run(work)
     name = Path(args.eval_model).name
     return {f"evaluate {name}, {args.eval_samples} samples, fp8-dynamic + nvfp4a16": (prof, None)}
 
@@ -483,8 +494,7 @@ def wf_quantize(args) -> dict[str, tuple[Profile, Counter | None]]:
                 Path(tmp) / "src", Path(tmp) / "q", scheme="nvfp4a16", force=True, progress=False
             )
 
-        plain = plain_seconds(work)
-        prof = profiled_run(work, plain)
+        prof = profiled_run(work)
     name = f"quantize nvfp4a16, synthetic Llama {info['layers']} layer(s), {info['bytes'] / 1e9:.2f} GB"
     return {name: (prof, None)}
 
@@ -532,6 +542,7 @@ def table(
     lines = [
         f"**{name}** — plain wall {prof.plain:.1f} s, profiled {prof.profiled:.1f} s"
         + (f"; extrapolated to the full workflow: {t:.0f} s" if full is not None else "")
+        + ("; s are thread-seconds (worker threads run in parallel)" if WORKERS in rows else "")
         + f"; k = {k:.2f}",
         "",
         f"| part | calls | ms / call | s | % of all | {cols} | S(k) | S(k, r=4) | S(k, r=inf) |",
@@ -540,9 +551,12 @@ def table(
     if whole_row:
         lines.append(_row("**whole**", 1, whole, t, k))
     for phase in sorted(rows, key=lambda p: -sum(rows[p].values())):
-        if len(rows) > 1 and (whole_row or phase != FIXED):
+        if (len(rows) > 1 or not whole_row) and (whole_row or phase != FIXED):
             n = (full or prof.counts).get(phase, 1) or 1
             lines.append(_row(f"{phase[0]} {phase[1]}".strip(), n, rows[phase], t, k))
+    other = sum(prof.other_ops.values()) or 1.0
+    top = ", ".join(f"{op} {100 * v / other:.0f} %" for op, v in prof.other_ops.most_common(6))
+    lines += ["", f"Largest of the other ops (as profiled): {top}."]
     doc = {"name": name, "plain_s": prof.plain, "profiled_s": prof.profiled, "k": k, "whole_s": whole,
            "extrapolated": full is not None, "parts": {f"{p[0]}|{p[1]}": v for p, v in rows.items()},
            "amdahl": {f"r={r}": amdahl(whole, k, r) for r in (1.0, 4.0, math.inf)}}  # fmt: skip
@@ -563,9 +577,8 @@ def main() -> int:
     args = ap.parse_args()
     args.recipes = [r for r in args.recipes.split(",") if r]
     names = [w for w in args.workflows.split(",") if w]
-    unknown = [w for w in names if w not in WORKFLOWS]
-    if unknown:
-        ap.error(f"unknown workflows {unknown}; valid: {', '.join(WORKFLOWS)}")
+    if set(names) - set(WORKFLOWS):
+        ap.error(f"unknown workflows {sorted(set(names) - set(WORKFLOWS))}; valid: {', '.join(WORKFLOWS)}")
     print(f"machine: {machine()}\n")
     k_ref, _ = gemm_ratio(Counter({(1024, 1024, 1024): 1}))
     print(f"k at 1024^3: fp32 / bf16 torch.mm time = {k_ref:.2f}\n")
@@ -578,9 +591,7 @@ def main() -> int:
             print(text + "\n", flush=True)
             docs.append(doc)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"machine": machine(), "k_1024": k_ref, "workflows": docs}, indent=1)
-        )
+        Path(args.json).write_text(json.dumps({"machine": machine(), "k_1024": k_ref, "workflows": docs}))
     return 0
 
 
