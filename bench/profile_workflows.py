@@ -63,10 +63,9 @@ LABELS = {
 R_BUCKETS = ("decode", "quantizer", "sr", "rht")  # what a fast quantizer / decode speeds up (r)
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
-    "aten::mv", "aten::addmv", "aten::dot", "aten::_addmm_activation", "aten::_scaled_mm",
-    "aten::mkldnn_linear", "aten::scaled_dot_product_attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+    "aten::mv", "aten::addmv", "aten::dot", "aten::_addmm_activation", "aten::_scaled_mm", "aten::mkldnn_linear",
 })  # fmt: skip
+ATTENTION = ("aten::scaled_dot_product", "aten::_scaled_dot_product")  # fused attention, forward and backward
 # the ranges wrapped around mixprec's entry points: (module, attribute, range)
 ENTRIES = (
     ("mixprec.quantization", "_quantize", "mixprec.quantize"),
@@ -93,6 +92,7 @@ PHASES = (
     ("mixprec.comparison.training_run", "_train_step", "step"),
     ("mixprec.comparison.training_run", "_evaluation", "eval"),
     ("mixprec.comparison.training_run", "_set_up", "run setup"),
+    ("mixprec.comparison.training_run", "_save_checkpoint", "checkpoint"),
     ("mixprec.comparison.runner", "load_inputs", "data"),
     ("mixprec.demo", "inference_step", "inference"),
 )
@@ -106,7 +106,7 @@ def classify(op: str, inner: str | None) -> str:
     """The bucket of an op's self time, from its name and the innermost mixprec range around it."""
     if inner in RANGE_BUCKET:
         return RANGE_BUCKET[inner]
-    gemm = op in GEMM_OPS
+    gemm = op in GEMM_OPS or op.startswith(ATTENTION)
     if inner == OPTIMIZER:
         return "gemm_native" if gemm else "optim"
     if inner in EMULATION_RANGES:
@@ -119,7 +119,6 @@ def is_op(name: str) -> bool:
     return "::" in name and not name.startswith(("autograd::", "profiler::"))
 
 
-# ---------------------------------------------------------------------------------------------------
 # Ranges around mixprec's entry points (profiled runs only)
 
 
@@ -225,7 +224,6 @@ def wrapped_entries(rec: Recorder):
             setattr(owner, attr, value)
 
 
-# ---------------------------------------------------------------------------------------------------
 # The profile, in buckets per phase
 
 
@@ -342,7 +340,6 @@ def amdahl(b: dict[str, float], k: float, r: float) -> float:
     return t / new if new > 0 else math.inf
 
 
-# ---------------------------------------------------------------------------------------------------
 # k: bf16 vs fp32 GEMM speed at the workflow's shapes
 
 
@@ -370,7 +367,6 @@ def gemm_ratio(shapes: Counter, top: int = 6, reps: int = 5) -> tuple[float, lis
     return num / den, rows
 
 
-# ---------------------------------------------------------------------------------------------------
 # Workflows: each returns (Profile, full counts or None)
 
 
@@ -410,6 +406,8 @@ def _full_counts(full_config) -> Counter:
         evals = {0, spec.steps, *range(spec.eval_every, spec.steps + 1, spec.eval_every)}
         counts[("eval", spec.recipe)] += len(evals)
         counts[("run setup", spec.recipe)] += 1
+        saves = {spec.steps, *range(spec.checkpoint_every, spec.steps + 1, spec.checkpoint_every)}
+        counts[("checkpoint", "")] += len(saves)
     return counts
 
 
@@ -503,7 +501,6 @@ WORKFLOWS = {"train": wf_train, "demo": wf_demo, "compare": wf_compare, "evaluat
              "quantize": wf_quantize}  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------------
 # Report
 
 

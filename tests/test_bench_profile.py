@@ -42,6 +42,8 @@ def test_classifier(pw):
     assert pw.classify("aten::floor", "mixprec.sr") == "sr"
     assert pw.classify("aten::mm", "mixprec.rht") == "rht"
     assert pw.classify("aten::add_", None) == "other"
+    assert pw.classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward", None) == "gemm_native"
+    assert pw.classify("aten::lerp_", pw.OPTIMIZER) == "optim"
     assert pw.is_op("aten::mm") and pw.is_op("mkldnn::something")
     assert not pw.is_op("autograd::engine::evaluate_function: MmBackward0")
     assert not pw.is_op("mixprec.quantize") and not pw.is_op("phase:step|bf16")
