@@ -221,8 +221,13 @@ def _quantize(
             f"out must be a contiguous {fmt.torch_dtype or torch.uint8} tensor of shape {tuple(x2.shape)}"
         )
     has_nan = tile_stats = None
-    if g.scale_format == "e4m3":  # only eager takes it (see _unavailable)
+    if g.scale_format == "e4m3" and backend == "eager":  # eager and tiled take it (see _unavailable)
         data, scale, gscale = _eager_global(x2, fmt, g, scale, gscale, validate_scale, key)
+    elif g.scale_format == "e4m3":
+        gscale = _global_scale(x2, fmt, g, None, gscale, validate_scale)
+        data, scale, tile_stats = tiled.quantize_tiled(
+            x2, fmt, g, scale=scale, out=out, stats=stats, global_scale=gscale
+        )
     elif backend == "eager":
         data, scale = _eager(x2, fmt, g, scale, margin, power_of_two, key)
     elif backend == "traceable":
@@ -250,16 +255,17 @@ def _quantize(
         return q, None
     if tile_stats is not None:
         return q, QuantizationStats(*tile_stats)
-    if g.scale_format == "e4m3":  # NVFP4 (eager only): the fp32 form, without fp64 copies
+    if g.scale_format == "e4m3":  # NVFP4 on the eager backend: the fp32 form, without fp64 copies
         return q, _stats_fp32(x2, q)
     return q, _stats_of(x2, q)
 
 
 def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
-    if g.scale_format == "e4m3":
-        return "eager"
     if torch.compiler.is_compiling():
-        return "traceable"
+        return "eager" if g.scale_format == "e4m3" else "traceable"
+    if g.scale_format == "e4m3":  # NVFP4: eager's whole-tensor temporaries cost more than tiles
+        cpu = x2.device.type == "cpu"
+        return "tiled" if cpu and (stats or x2.numel() >= tiled.NVFP4_TILED_MIN_ELEMENTS) else "eager"
     if x2.is_cuda and triton_usable(x2.device) and _triton_unavailable(x2, fmt, g) is None:
         return "triton"
     if x2.device.type == "cpu" and (stats or x2.numel() >= tiled.TILED_MIN_ELEMENTS):
@@ -268,8 +274,10 @@ def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
 
 
 def _unavailable(backend: str, x2: torch.Tensor, fmt: Format, g: Granularity) -> str | None:
-    if g.scale_format == "e4m3" and backend not in ("eager", "auto"):
-        return "E4M3 block scales with a global scale (NVFP4) are quantized by the eager backend only"
+    if g.scale_format == "e4m3" and backend not in ("eager", "auto", "tiled"):
+        return (
+            "E4M3 block scales with a global scale (NVFP4) are quantized by the eager and tiled backends only"
+        )
     if backend == "compiled":
         return compiled.unsupported_reason(x2, g)
     if backend == "tiled":
@@ -325,23 +333,30 @@ def _eager_global(
     given); the payload is x / (scale / global), the division compressed-tensors and vLLM make."""
     work = x2.float()
     amax = block_amax(work, g) if scale is None else None
-    if gscale is None:
-        tensor_amax = amax.max() if amax is not None else block_amax(work, Granularity.tensor())
-        math_dtype = x2.dtype if g.scale_math == "input" else None
-        gscale = global_scale_from_amax(tensor_amax, fmt, math_dtype)
-    else:
-        gscale = torch.as_tensor(gscale, dtype=torch.float32).float().reshape(1).to(x2.device)
-        if validate:
-            bad = (~torch.isfinite(gscale) | (gscale <= 0)).any()
-            if torch.compiler.is_compiling():  # the value is not known while tracing: assert in the graph
-                raise_if(bad, "a global scale must be finite and positive")
-            elif bool(bad):
-                raise MixprecError(f"a global scale must be finite and positive, got {float(gscale[0])}")
+    gscale = _global_scale(work, fmt, g, amax, gscale, validate, x2.dtype)
     if scale is None:
         scale = scale_from_amax(amax, fmt, g, global_scale=gscale, dtype=x2.dtype)
     effective = scale / gscale.reshape(1, 1)
     scaled = apply_blockwise(work, effective, g, torch.div, out=work if work is not x2 else None)
     return encode_inplace(_round_stochastically(scaled, fmt, key), fmt), scale, gscale
+
+
+def _global_scale(x2, fmt, g, amax, gscale, validate, dtype=None) -> torch.Tensor:
+    """NVFP4's global scale as a one-element fp32 tensor: the given one (validated), or computed from
+    the tensor's amax over its finite elements (the block amaxes' max when given) with compressed-
+    tensors' arithmetic in the input's dtype (`dtype`, default x2's) where g.scale_math is "input"."""
+    if gscale is None:
+        tensor_amax = amax.max() if amax is not None else block_amax(x2, Granularity.tensor())
+        math_dtype = (dtype or x2.dtype) if g.scale_math == "input" else None
+        return global_scale_from_amax(tensor_amax, fmt, math_dtype)
+    gscale = torch.as_tensor(gscale, dtype=torch.float32).float().reshape(1).to(x2.device)
+    if validate:
+        bad = (~torch.isfinite(gscale) | (gscale <= 0)).any()
+        if torch.compiler.is_compiling():  # the value is not known while tracing: assert in the graph
+            raise_if(bad, "a global scale must be finite and positive")
+        elif bool(bad):
+            raise MixprecError(f"a global scale must be finite and positive, got {float(gscale[0])}")
+    return gscale
 
 
 def _round_stochastically(scaled: torch.Tensor, fmt: Format, key: int | None) -> torch.Tensor:
