@@ -43,6 +43,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.formats import Format, check_float_tensor, encode_inplace, get_format, raise_if
 from mixprec.kernels import compiled, tiled
+from mixprec.kernels.codes import encode_codes_into
 from mixprec.kernels.native import triton_usable, triton_version
 from mixprec.kernels.traceable import quantize_traceable
 from mixprec.rounding import stochastic_round_to_grid
@@ -323,7 +324,7 @@ def _eager(x2, fmt, g, scale, margin, power_of_two, key=None) -> tuple[torch.Ten
     if scale is None:
         scale = scale_from_amax(block_amax(work, g), fmt, g, margin, power_of_two)
     scaled = apply_blockwise(work, scale, g, torch.div, out=work if own else None)
-    return encode_inplace(_round_stochastically(scaled, fmt, key), fmt), scale
+    return _encode(_round_stochastically(scaled, fmt, key), fmt), scale
 
 
 def _eager_global(
@@ -338,7 +339,17 @@ def _eager_global(
         scale = scale_from_amax(amax, fmt, g, global_scale=gscale, dtype=x2.dtype)
     effective = scale / gscale.reshape(1, 1)
     scaled = apply_blockwise(work, effective, g, torch.div, out=work if work is not x2 else None)
-    return encode_inplace(_round_stochastically(scaled, fmt, key), fmt), scale, gscale
+    return _encode(_round_stochastically(scaled, fmt, key), fmt), scale, gscale
+
+
+def _encode(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """formats.encode_inplace of the scaled temporary y; sub-byte formats on the CPU (eager) through
+    the integer encode of kernels.codes (the same codes, fewer passes), NaN refused first."""
+    if fmt.bits >= 8 or y.device.type != "cpu" or not y.is_contiguous() or torch.compiler.is_compiling():
+        return encode_inplace(y, fmt)
+    raise_if(torch.isnan(y.max()), f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    scratch = tuple(torch.empty(y.numel(), dtype=torch.int32) for _ in range(3))
+    return encode_codes_into(y, fmt, torch.empty(y.shape, dtype=torch.uint8), scratch)
 
 
 def _global_scale(x2, fmt, g, amax, gscale, validate, dtype=None) -> torch.Tensor:

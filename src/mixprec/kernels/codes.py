@@ -1,6 +1,7 @@
-"""CPU fast paths for the sub-byte codes (FP4 E2M1, FP6): encode and decode.
+"""CPU fast path for the sub-byte codes (FP4 E2M1, FP6): the encode. (The E2M1 decode's fast form is
+formats.decode_e2m1_unscaled_into.)
 
-The same codes as mixprec.formats (saturating_codes, codes_to_values) bit for bit, with
+The same codes as formats.saturating_codes bit for bit, with
 fewer and cheaper passes, into buffers a caller reuses (the tiled quantizer's tiles):
 
 - encode_codes_into: the saturating round-to-nearest-even of fp32 values into a format without inf/NaN,
@@ -12,9 +13,6 @@ fewer and cheaper passes, into buffers a caller reuses (the tiled quantizer's ti
   (formats.saturating_codes), so code = (binade's exponent - emin) * 2^m + k, a carry k = 2^(m+1)
   landing on the next binade's first code; the sign is bit 31 moved to the code's top bit. 12 integer
   passes instead of saturating_codes' float division, float -> int conversion and ~15 passes.
-- decode_e2m1_unscaled_into: s.ee.m placed in an fp16 bit pattern as s.000ee.m000000000 is the E2M1
-  value times 2^-14 (fp16's bias 15 against E2M1's 1, the subnormal 0.5 included): three int16 passes
-  and one conversion, where codes_to_values indexes a table (an int64 gather, ~5x slower).
 
 NaN is not checked here (it gives some code, as saturating_codes): callers refuse it first.
 """
@@ -52,19 +50,4 @@ def encode_codes_into(y: torch.Tensor, fmt: Format, out: torch.Tensor, scratch: 
     return out.view(-1).copy_(s).view(out.shape)
 
 
-def decode_e2m1_unscaled_into(
-    codes: torch.Tensor, out: torch.Tensor, i16: torch.Tensor, sign: torch.Tensor
-) -> torch.Tensor:
-    """out (fp32, codes' shape) = the E2M1 values of uint8 codes times 2^-14, exactly, through the int16
-    scratch `i16` and `sign` (codes' shape; the codes' high nibble is ignored, as codes_to_values
-    does). Scratch, not temporaries: a fresh tile-sized tensor costs its page faults on every tile."""
-    i16.copy_(codes)
-    torch.bitwise_and(i16, 8, out=sign).bitwise_left_shift_(12)
-    i16.bitwise_and_(7).bitwise_left_shift_(9).bitwise_or_(sign)
-    return out.copy_(i16.view(torch.float16))
-
-
-E2M1_DECODE_FACTOR = 2.0**14  # decode_e2m1_unscaled_into's values times this are the E2M1 values
-
-
-__all__ = ["E2M1_DECODE_FACTOR", "decode_e2m1_unscaled_into", "encode_codes_into"]
+__all__ = ["encode_codes_into"]

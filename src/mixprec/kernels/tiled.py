@@ -21,8 +21,16 @@ import math
 
 import torch
 
-from mixprec.formats import Format, decode_e4m3_unscaled_into, decode_unscaled, encode_inplace, raise_if
-from mixprec.kernels.codes import E2M1_DECODE_FACTOR, decode_e2m1_unscaled_into, encode_codes_into
+from mixprec.formats import (
+    E2M1_DECODE_FACTOR,
+    Format,
+    decode_e2m1_unscaled_into,
+    decode_e4m3_unscaled_into,
+    decode_unscaled,
+    encode_inplace,
+    raise_if,
+)
+from mixprec.kernels.codes import encode_codes_into
 from mixprec.scaling import Granularity, block_amax, expand_scale, scale_from_amax
 
 # Elements per tile (1 MB of fp32): big enough that the ~35 torch calls per tile cost little next to the
