@@ -24,8 +24,9 @@ the scale (never a multiplication by its reciprocal), and a saturating round-to-
 backend="auto" picks the way gemm.scaled_mm picks its GEMM, by capability and size: "traceable"
 inside torch.compile; "triton" on CUDA where triton is installed and its kernels take the case; on
 the CPU "tiled" for memory from kernels.tiled.TILED_MIN_ELEMENTS elements (an fp32 working copy of
-1 GiB; tiles are not faster than eager there, see kernels.tiled) and always for quantize_with_stats;
-else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
+1 GiB; tiles are not faster than eager there, see kernels.tiled), for NVFP4 from
+kernels.tiled.NVFP4_TILED_MIN_ELEMENTS (eager's whole-tensor temporaries cost more there), and always
+for quantize_with_stats; else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
 MixprecError saying why (`backend_available` asks first). Checks that read a value (the FP6/FP4 NaN
 check, a given global scale) are Python checks raising MixprecError in eager mode and, under
 torch.compile, assertions inside the graph (formats.raise_if): no graph break, the same message (as a
@@ -92,7 +93,7 @@ def quantize(
     made). The input is read, never modified; it is converted to fp32 first (exact for bf16/fp16).
     E4M3 (NVFP4) granularities: global_scale=None computes the per-tensor global scale from x's amax
     (scaling.global_scale_from_amax); give one to share it (fused q/k/v shards, a calibrated
-    activation scale); a given `scale` then holds E4M3 block scales in its units. Eager only.
+    activation scale); a given `scale` then holds E4M3 block scales in its units. Eager and tiled.
     rounding_key: None rounds to nearest even; an integer rounds stochastically onto the format's grid
     with the counter-based noise of that key (mixprec.rounding.stochastic_round_to_grid; element i of
     the row-major 2-D view gets noise i): FP4 training's gradients. Eager only.
