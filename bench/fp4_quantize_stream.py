@@ -4,7 +4,7 @@ The synthetic LlamaForCausalLM-shaped bf16 checkpoint of bench_checkpoint_quanti
 sharded, in a temporary directory deleted afterwards). Copy and quantize alternate --repeats times, each
 in its own subprocess (the machine is shared: each round's ratio compares runs made seconds apart);
 the medians and the per-round ratios are printed, with peak RSS (VmHWM). nvfp4a16 reads every NVFP4
-weight twice: once for the fused groups' shared global scales (amax only), once to quantize it.
+weight once (a fused group's shards together: their amax gives the shared global scale).
 
     python bench/fp4_quantize_stream.py [--size-gb 0.5] [--shard-gb 0.25] [--repeats 3]
 """

@@ -142,4 +142,4 @@ def test_shared_global_scale_and_refusals():
     with pytest.raises(MixprecError, match="global scale"):
         quantize(w, "e2m1", Granularity.rows(), global_scale=1.0)
     with pytest.raises(MixprecError, match="eager"):
-        quantize(w, "e2m1", NV, backend="tiled")
+        quantize(w, "e2m1", NV, backend="traceable")

@@ -29,6 +29,59 @@ E2M1_ARGS = {"mantissa_bits": 1, "emin": 0, "max_value": 6.0}
 # Stochastic rounding onto the E2M1 grid
 
 
+def _grid_reference(v, key, *, mantissa_bits, emin, max_value, index=None):
+    """stochastic_round_to_grid's definition written out whole-tensor (the code before it went chunked,
+    from the bits): the reference its fast form must match bit for bit."""
+    x = v.float()
+    a = x.abs()
+    _, exp = torch.frexp(a)
+    e = torch.clamp(exp - 1, min=emin)
+    step = torch.ldexp(torch.ones_like(a), e - mantissa_bits)
+    t = a / step
+    lower = torch.floor(t)
+    frac = t - lower
+    idx = flat_indices(tuple(x.shape)) if index is None else index.reshape(x.shape)
+    u = uniform24(idx, key).to(torch.float32) * 2.0**-24
+    r = torch.clamp((lower + (u < frac).to(torch.float32)) * step, max=max_value)
+    r = torch.where(a >= max_value, torch.full_like(a, max_value), r)
+    return torch.where(torch.isnan(x), x, torch.copysign(r, x))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        E2M1_ARGS,
+        {"mantissa_bits": 2, "emin": -2, "max_value": 28.0},
+        {"mantissa_bits": 3, "emin": -6, "max_value": 448.0},
+    ],
+    ids=["e2m1", "e3m2", "e4m3"],
+)
+def test_stochastic_rounding_is_its_written_out_definition_bit_for_bit(monkeypatch, args):
+    """Chunked (several chunks: CHUNK made small), from the bits: the same values as the reference on
+    random values over 10 decades, grid values and midpoints, +-0, fp32 subnormals, max, beyond max,
+    +-inf, NaN, a sweep of bit patterns, a transposed view, bf16 input and given indices."""
+    import math
+
+    from mixprec import rounding
+
+    monkeypatch.setattr(rounding, "CHUNK", 1000)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 500, generator=g) * torch.logspace(-8, 2, 500)
+    x[0, :12] = torch.tensor(
+        [0.0, -0.0, math.inf, -math.inf, math.nan, 6.0, -6.0, 7.0, 1e-45, -1e-40, 0.25, 5.0]
+    )
+    x[1] = torch.arange(500) * 0.125 - 30
+    sweep = (
+        torch.arange(-(2**31), 2**31 - 1, 2**16 + 1, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    )
+    index = torch.randint(0, 2**31 - 1, x.shape, generator=g, dtype=torch.int64).to(torch.int32)
+    for key in (0, 7, -123456789):
+        for v, idx in ((x, None), (x.t(), None), (sweep, None), (x.bfloat16(), None), (x, index)):
+            want = _grid_reference(v, key, index=idx, **args)
+            got = stochastic_round_to_grid(v, key, index=idx, **args)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (key, tuple(v.shape))
+
+
 def test_stochastic_rounding_picks_a_neighbour_with_the_right_probability_rule():
     """Against a slow reference: the two grid neighbours of |v| from the value list, up iff u < p."""
     torch.manual_seed(0)

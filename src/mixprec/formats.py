@@ -14,6 +14,7 @@ torch's cast only for values that are in range, where all torch versions agree b
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -323,6 +324,7 @@ def _apply_overflow(x: torch.Tensor, y: torch.Tensor, fmt: Format) -> torch.Tens
 
 
 _SIGN_BIT = -(2**31)  # 0x80000000 as an int32
+E2M1_DECODE_FACTOR = 2.0**14  # decode_e2m1_unscaled_into's values times this are the E2M1 values
 
 
 def round_saturating(x: torch.Tensor, fmt: Format, *, inplace: bool = False) -> torch.Tensor:
@@ -467,7 +469,11 @@ def _code_table(fmt: Format) -> torch.Tensor:
 
 
 def codes_to_values(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """float32 values of uint8 codes in a sub-byte format (all codes are finite numbers): a table lookup."""
+    """float32 values of uint8 codes in a sub-byte format (all codes are finite numbers): a table lookup
+    (E2M1 on the CPU: decode_e2m1_unscaled_into times 2^14, exact, ~5x faster than the int64 gather)."""
+    if fmt is E2M1 and codes.device.type == "cpu" and codes.dtype == torch.uint8 and not torch.compiler.is_compiling():  # fmt: skip
+        i16, out = torch.empty_like(codes, dtype=torch.int16), torch.empty_like(codes, dtype=torch.float32)
+        return decode_e2m1_unscaled_into(codes, out, i16, torch.empty_like(i16)).mul_(E2M1_DECODE_FACTOR)
     table = _code_table(fmt) if codes.device.type == "cpu" else _code_table_on(fmt, codes.device)
     return table[(codes & (2**fmt.bits - 1)).to(torch.int32)]
 
@@ -512,6 +518,10 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
         raise MixprecError(
             f"pack_nibbles takes uint8 codes with an even last dim, got {codes.dtype} {tuple(codes.shape)}"
         )
+    if sys.byteorder == "little" and codes.is_contiguous():
+        # a pair read as one int16 (element 2i in the low byte): half the elements, no strided pairs
+        v = codes.view(torch.int16)
+        return torch.bitwise_right_shift(v, 4).bitwise_and_(0xF0).bitwise_or_(v.bitwise_and(0x0F)).to(torch.uint8)  # fmt: skip
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)
 
@@ -521,6 +531,16 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise MixprecError(f"unpack_nibbles takes uint8, got {packed.dtype}")
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def decode_e2m1_unscaled_into(codes: torch.Tensor, out: torch.Tensor, i16: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """out (fp32) = E2M1 values of uint8 codes times 2^-14, exactly, via int16 scratch i16 and sign (all of
+    codes' shape; the high nibble ignored): s.ee.m as the fp16 pattern s.000ee.m000000000 (bias 15 vs 1;
+    0.5 is fp16's subnormal 2^-15, which the fp32 conversion keeps even with denormals flushed)."""
+    i16.copy_(codes)
+    torch.bitwise_and(i16, 8, out=sign).bitwise_left_shift_(12)
+    i16.bitwise_and_(7).bitwise_left_shift_(9).bitwise_or_(sign)
+    return out.copy_(i16.view(torch.float16))
 
 
 _E4M3_NAN_MAGNITUDE = 0x7F  # S.1111.111: the only NaN codes of E4M3 ("fn": no infinities)

@@ -24,8 +24,9 @@ the scale (never a multiplication by its reciprocal), and a saturating round-to-
 backend="auto" picks the way gemm.scaled_mm picks its GEMM, by capability and size: "traceable"
 inside torch.compile; "triton" on CUDA where triton is installed and its kernels take the case; on
 the CPU "tiled" for memory from kernels.tiled.TILED_MIN_ELEMENTS elements (an fp32 working copy of
-1 GiB; tiles are not faster than eager there, see kernels.tiled) and always for quantize_with_stats;
-else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
+1 GiB; tiles are not faster than eager there, see kernels.tiled), for NVFP4 from
+kernels.tiled.NVFP4_TILED_MIN_ELEMENTS (eager's whole-tensor temporaries cost more there), and always
+for quantize_with_stats; else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
 MixprecError saying why (`backend_available` asks first). Checks that read a value (the FP6/FP4 NaN
 check, a given global scale) are Python checks raising MixprecError in eager mode and, under
 torch.compile, assertions inside the graph (formats.raise_if): no graph break, the same message (as a
@@ -43,6 +44,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.formats import Format, check_float_tensor, encode_inplace, get_format, raise_if
 from mixprec.kernels import compiled, tiled
+from mixprec.kernels.codes import encode_codes_into
 from mixprec.kernels.native import triton_usable, triton_version
 from mixprec.kernels.traceable import quantize_traceable
 from mixprec.rounding import stochastic_round_to_grid
@@ -91,7 +93,7 @@ def quantize(
     made). The input is read, never modified; it is converted to fp32 first (exact for bf16/fp16).
     E4M3 (NVFP4) granularities: global_scale=None computes the per-tensor global scale from x's amax
     (scaling.global_scale_from_amax); give one to share it (fused q/k/v shards, a calibrated
-    activation scale); a given `scale` then holds E4M3 block scales in its units. Eager only.
+    activation scale); a given `scale` then holds E4M3 block scales in its units. Eager and tiled.
     rounding_key: None rounds to nearest even; an integer rounds stochastically onto the format's grid
     with the counter-based noise of that key (mixprec.rounding.stochastic_round_to_grid; element i of
     the row-major 2-D view gets noise i): FP4 training's gradients. Eager only.
@@ -221,8 +223,13 @@ def _quantize(
             f"out must be a contiguous {fmt.torch_dtype or torch.uint8} tensor of shape {tuple(x2.shape)}"
         )
     has_nan = tile_stats = None
-    if g.scale_format == "e4m3":  # only eager takes it (see _unavailable)
+    if g.scale_format == "e4m3" and backend == "eager":  # eager and tiled take it (see _unavailable)
         data, scale, gscale = _eager_global(x2, fmt, g, scale, gscale, validate_scale, key)
+    elif g.scale_format == "e4m3":
+        gscale = _global_scale(x2, fmt, g, None, gscale, validate_scale)
+        data, scale, tile_stats = tiled.quantize_tiled(
+            x2, fmt, g, scale=scale, out=out, stats=stats, global_scale=gscale
+        )
     elif backend == "eager":
         data, scale = _eager(x2, fmt, g, scale, margin, power_of_two, key)
     elif backend == "traceable":
@@ -250,16 +257,17 @@ def _quantize(
         return q, None
     if tile_stats is not None:
         return q, QuantizationStats(*tile_stats)
-    if g.scale_format == "e4m3":  # NVFP4 (eager only): the fp32 form, without fp64 copies
+    if g.scale_format == "e4m3":  # NVFP4 on the eager backend: the fp32 form, without fp64 copies
         return q, _stats_fp32(x2, q)
     return q, _stats_of(x2, q)
 
 
 def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
-    if g.scale_format == "e4m3":
-        return "eager"
     if torch.compiler.is_compiling():
-        return "traceable"
+        return "eager" if g.scale_format == "e4m3" else "traceable"
+    if g.scale_format == "e4m3":  # NVFP4: eager's whole-tensor temporaries cost more than tiles
+        cpu = x2.device.type == "cpu"
+        return "tiled" if cpu and (stats or x2.numel() >= tiled.NVFP4_TILED_MIN_ELEMENTS) else "eager"
     if x2.is_cuda and triton_usable(x2.device) and _triton_unavailable(x2, fmt, g) is None:
         return "triton"
     if x2.device.type == "cpu" and (stats or x2.numel() >= tiled.TILED_MIN_ELEMENTS):
@@ -268,8 +276,10 @@ def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
 
 
 def _unavailable(backend: str, x2: torch.Tensor, fmt: Format, g: Granularity) -> str | None:
-    if g.scale_format == "e4m3" and backend not in ("eager", "auto"):
-        return "E4M3 block scales with a global scale (NVFP4) are quantized by the eager backend only"
+    if g.scale_format == "e4m3" and backend not in ("eager", "auto", "tiled"):
+        return (
+            "E4M3 block scales with a global scale (NVFP4) are quantized by the eager and tiled backends only"
+        )
     if backend == "compiled":
         return compiled.unsupported_reason(x2, g)
     if backend == "tiled":
@@ -315,7 +325,7 @@ def _eager(x2, fmt, g, scale, margin, power_of_two, key=None) -> tuple[torch.Ten
     if scale is None:
         scale = scale_from_amax(block_amax(work, g), fmt, g, margin, power_of_two)
     scaled = apply_blockwise(work, scale, g, torch.div, out=work if own else None)
-    return encode_inplace(_round_stochastically(scaled, fmt, key), fmt), scale
+    return _encode(_round_stochastically(scaled, fmt, key), fmt), scale
 
 
 def _eager_global(
@@ -325,23 +335,40 @@ def _eager_global(
     given); the payload is x / (scale / global), the division compressed-tensors and vLLM make."""
     work = x2.float()
     amax = block_amax(work, g) if scale is None else None
-    if gscale is None:
-        tensor_amax = amax.max() if amax is not None else block_amax(work, Granularity.tensor())
-        math_dtype = x2.dtype if g.scale_math == "input" else None
-        gscale = global_scale_from_amax(tensor_amax, fmt, math_dtype)
-    else:
-        gscale = torch.as_tensor(gscale, dtype=torch.float32).float().reshape(1).to(x2.device)
-        if validate:
-            bad = (~torch.isfinite(gscale) | (gscale <= 0)).any()
-            if torch.compiler.is_compiling():  # the value is not known while tracing: assert in the graph
-                raise_if(bad, "a global scale must be finite and positive")
-            elif bool(bad):
-                raise MixprecError(f"a global scale must be finite and positive, got {float(gscale[0])}")
+    gscale = _global_scale(work, fmt, g, amax, gscale, validate, x2.dtype)
     if scale is None:
         scale = scale_from_amax(amax, fmt, g, global_scale=gscale, dtype=x2.dtype)
     effective = scale / gscale.reshape(1, 1)
     scaled = apply_blockwise(work, effective, g, torch.div, out=work if work is not x2 else None)
-    return encode_inplace(_round_stochastically(scaled, fmt, key), fmt), scale, gscale
+    return _encode(_round_stochastically(scaled, fmt, key), fmt), scale, gscale
+
+
+def _encode(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """formats.encode_inplace of the scaled temporary y; sub-byte formats on the CPU (eager) through
+    the integer encode of kernels.codes (the same codes, fewer passes), NaN refused first."""
+    if fmt.bits >= 8 or y.device.type != "cpu" or not y.is_contiguous() or torch.compiler.is_compiling():
+        return encode_inplace(y, fmt)
+    raise_if(torch.isnan(y.max()), f"cannot encode NaN in {fmt.name}: the format has no NaN code")
+    scratch = tuple(torch.empty(y.numel(), dtype=torch.int32) for _ in range(3))
+    return encode_codes_into(y, fmt, torch.empty(y.shape, dtype=torch.uint8), scratch)
+
+
+def _global_scale(x2, fmt, g, amax, gscale, validate, dtype=None) -> torch.Tensor:
+    """NVFP4's global scale as a one-element fp32 tensor: the given one (validated), or computed from
+    the tensor's amax over its finite elements (the block amaxes' max when given) with compressed-
+    tensors' arithmetic in the input's dtype (`dtype`, default x2's) where g.scale_math is "input"."""
+    if gscale is None:
+        tensor_amax = amax.max() if amax is not None else block_amax(x2, Granularity.tensor())
+        math_dtype = (dtype or x2.dtype) if g.scale_math == "input" else None
+        return global_scale_from_amax(tensor_amax, fmt, math_dtype)
+    gscale = torch.as_tensor(gscale, dtype=torch.float32).float().reshape(1).to(x2.device)
+    if validate:
+        bad = (~torch.isfinite(gscale) | (gscale <= 0)).any()
+        if torch.compiler.is_compiling():  # the value is not known while tracing: assert in the graph
+            raise_if(bad, "a global scale must be finite and positive")
+        elif bool(bad):
+            raise MixprecError(f"a global scale must be finite and positive, got {float(gscale[0])}")
+    return gscale
 
 
 def _round_stochastically(scaled: torch.Tensor, fmt: Format, key: int | None) -> torch.Tensor:

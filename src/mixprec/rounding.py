@@ -225,21 +225,61 @@ def stochastic_round_to_grid(
     u < frac with u = uniform24 / 2^24; values already on the grid stay. |v| >= max_value gives
     max_value (saturation); NaN stays NaN. Everything is exact fp32 arithmetic (powers of two).
     index: the elements' int32 indices in the whole tensor (default: row-major over v).
+
+    Computed in chunks of CHUNK elements through reused buffers (a whole-tensor temporary per step
+    faults its pages in again on every call), from the bits: |v| clamped to max_value first (max is on
+    the grid, so it stays, and inf becomes it), the step and its reciprocal as exponent-field
+    arithmetic instead of frexp / ldexp, u < frac as float(uniform24) < frac * 2^24 (both exact), the
+    sign OR-ed back from the bits. The same values as that definition, bit for bit (tests/test_fp4_training.py
+    keeps it written out as the reference).
     """
-    x = v.float()
-    a = x.abs()
-    _, exp = torch.frexp(a)  # a = m * 2^exp with m in [0.5, 1): floor(log2 a) = exp - 1
-    e = torch.clamp(exp - 1, min=emin)
-    step = torch.ldexp(torch.ones_like(a), e - mantissa_bits)
-    t = a / step  # exact: a power-of-two division
-    lower = torch.floor(t)
-    frac = t - lower  # exact
-    idx = flat_indices(tuple(x.shape), device=x.device) if index is None else index.reshape(x.shape)
-    u = uniform24(idx, key).to(torch.float32) * 2.0**-24
-    up = (u < frac).to(torch.float32)
-    r = torch.clamp((lower + up) * step, max=max_value)
-    r = torch.where(a >= max_value, torch.full_like(a, max_value), r)
-    return torch.where(torch.isnan(x), x, torch.copysign(r, x))
+    x = v.float().contiguous()
+    if x.numel() == 0:
+        return x.clone()
+    flat, n = x.view(-1), x.numel()
+    idx = None if index is None else index.reshape(-1).to(torch.int32)
+    out = torch.empty_like(x)
+    size = min(n, CHUNK)
+    bufs = [torch.empty(size, dtype=torch.int32) for _ in range(4)] + [torch.empty(size, dtype=torch.bool)]
+    for start in range(0, n, size):
+        stop = min(n, start + size)
+        chunk, sub = flat[start:stop], [b[: stop - start] for b in bufs]
+        noise = sub[3]
+        if idx is None:
+            torch.arange(start, stop, dtype=torch.int32, out=noise)
+        else:
+            noise.copy_(idx[start:stop])
+        _grid_chunk(chunk, key, mantissa_bits, emin, max_value, out.view(-1)[start:stop], sub)
+    return out
+
+
+def _grid_chunk(x, key, m, emin, max_value, out, bufs) -> None:
+    """One chunk of stochastic_round_to_grid into `out`; bufs: 4 int32 scratch (the last holding the
+    elements' indices) and a bool one."""
+    a, b, c, noise, up = bufs
+    af, bf, cf = (t.view(torch.float32) for t in (a, b, c))
+    bits = x.view(torch.int32)
+    torch.bitwise_and(bits, 0x7FFFFFFF, out=a)
+    has_nan = int(a.max()) > 0x7F800000  # NaN patterns lie above inf's
+    a.clamp_(max=_f32_bits(max_value))  # max is on the grid: |v| >= max (and inf) gives max
+    torch.bitwise_and(a, 0x7F800000, out=b).clamp_(min=(127 + emin) << 23)  # binade 2^max(e, emin)
+    torch.sub(b, m << 23, out=c)  # step = binade * 2^-m
+    b.neg_().add_((254 + m) << 23)  # 1 / step: exponent field 254 + m - the binade's
+    af.mul_(bf)  # t = |v| / step, exact
+    torch.floor(af, out=bf)  # lower
+    af.sub_(bf).mul_(2.0**24)  # frac * 2^24, exact
+    hash_(noise, key, out.view(torch.int32))  # out: the hash's scratch
+    out.copy_(noise.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF))  # float(uniform24), exact
+    bf.add_(torch.lt(out, af, out=up))  # lower + (u < frac)
+    bf.mul_(cf)  # (lower + up) * step: exact
+    b.bitwise_or_(torch.bitwise_and(bits, -(2**31), out=a))  # the sign of v
+    out.copy_(bf)
+    if has_nan:
+        torch.where(torch.isnan(x), x, out, out=out)
+
+
+def _f32_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
 
 
 __all__ = [

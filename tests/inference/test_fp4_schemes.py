@@ -194,3 +194,28 @@ def test_inspect_names_the_engines_that_read_each_block_scheme(written):
         engines = inspect_checkpoint(directory)["engines"]
         assert engines["vllm"]["loads"], (name, engines["vllm"])
         assert engines["mixprec"]["loads"], (name, engines["mixprec"])
+
+
+def test_streaming_reads_each_nvfp4_weight_once(tmp_path, monkeypatch, written):
+    """The fused shards' shared global scale comes from the same read that quantizes them (one task per
+    fused GEMM): every target weight is read exactly once, and the checkpoint is the one written before."""
+    from mixprec.inference.checkpoint import safetensors_io
+
+    reads: dict[str, int] = {}
+    plain_get = safetensors_io.ShardReader.get
+
+    def counting_get(self, info, out=None):
+        reads[info.name] = reads.get(info.name, 0) + 1
+        return plain_get(self, info, out)
+
+    monkeypatch.setattr(safetensors_io.ShardReader, "get", counting_get)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_checkpoint(SRC, tmp_path / "q", "nvfp4a16", progress=False)
+    quantized = [n for n in reads if n.endswith("_proj.weight")]
+    assert quantized and all(reads[n] == 1 for n in quantized), reads
+    ours, before = (
+        load_file(tmp_path / "q" / "model.safetensors"),
+        load_file(written["nvfp4a16"] / "model.safetensors"),
+    )
+    assert ours.keys() == before.keys() and all(torch.equal(_u8(ours[k]), _u8(before[k])) for k in ours)

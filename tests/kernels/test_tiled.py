@@ -1,12 +1,15 @@
 """The tiled backend of the quantize entry gives the eager backend's payloads and scales bit for bit, with
 many tiles (column tiles for blocks) as with one, and the statistics it computes from the same pass
-(amax, relative error within 1e-5 relative of the float64 reference)."""
+(amax, relative error within 1e-5 relative of the float64 reference); FP4 (NVFP4 and MX blocks) likewise."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+from mixprec.errors import MixprecError
 from mixprec.formats import decode_e4m3_unscaled_into
 from mixprec.kernels import tiled
 from mixprec.quantization import quantize, quantize_with_stats
@@ -71,3 +74,62 @@ def test_tiles_follow_the_scale_grid():
     assert tiled.tile_shape(1000, 4096, Granularity.blocks(128, 128)) == (128, 2048)  # one block row high
     assert tiled.tile_shape(100, 4096, Granularity.tensor()) == (64, 4096)
     assert tiled.unsupported_reason(torch.empty(2, 2, device="meta")) is not None
+
+
+NVFP4_AND_MX = [
+    Granularity.nvfp4(),
+    Granularity.nvfp4(scale_math="input"),
+    Granularity.nvfp4(16, 16),
+    Granularity.mx(32),
+    Granularity.mx(32, rounding="even"),
+]
+
+
+@pytest.mark.parametrize("tile", [1 << 18, 300])
+@pytest.mark.parametrize("g", NVFP4_AND_MX, ids=lambda g: g.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_blocks_bit_identical_to_the_eager_backend(monkeypatch, tile, g, dtype):
+    """E2M1 payloads with E4M3 (NVFP4: computed, given and shared global scales) and E8M0 block scales."""
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", tile)
+    for shape in [(16, 48), (130, 320), (257, 136), (3, 40)]:  # 40, 136: a partial block at the edge
+        w = _weight(shape, dtype)
+        w[1, :4] = torch.tensor([6.0, -5.0, 0.25, -0.0], dtype=dtype) * float(w.abs().max())  # ties, -0
+        nv = g.scale_format == "e4m3"
+        for given_global in [None, torch.tensor([123.5])] if nv else [None]:
+            kw = {"global_scale": given_global} if nv else {}
+            ref = quantize(w, "e2m1", g, backend="eager", **kw)
+            out = torch.empty(shape, dtype=torch.uint8)
+            q, stats = quantize_with_stats(w, "e2m1", g, out=out, backend="tiled", **kw)
+            assert q.data.data_ptr() == out.data_ptr()
+            assert torch.equal(q.data, ref.data), (shape, given_global)
+            assert torch.equal(q.scale, ref.scale)
+            assert (q.global_scale is None) == (ref.global_scale is None)
+            if nv:
+                assert torch.equal(q.global_scale, ref.global_scale)
+                given = quantize(
+                    w, "e2m1", g, scale=ref.scale, global_scale=ref.global_scale, backend="tiled"
+                )
+                assert torch.equal(given.data, ref.data)
+            x = w.double()
+            want = float((ref.dequantize().double() - x).norm() / x.norm())
+            assert stats.relative_error == pytest.approx(want, rel=2e-5)
+            assert stats.amax == float(w.float().abs().max())
+
+
+def test_fp4_tiles_refuse_nan_and_saturate_infinities():
+    w = torch.randn(4, 64)
+    w[2, 5] = math.nan
+    with pytest.raises(MixprecError, match="NaN"):
+        quantize(w, "e2m1", Granularity.nvfp4(), backend="tiled")
+    w[2, 5] = math.inf
+    for g in (Granularity.nvfp4(), Granularity.mx(32)):
+        ref, got = (quantize(w, "e2m1", g, backend=b) for b in ("eager", "tiled"))
+        assert torch.equal(got.data, ref.data) and torch.equal(got.scale, ref.scale)
+
+
+def test_auto_quantizes_big_nvfp4_weights_in_tiles():
+    from mixprec.quantization import choose_backend
+
+    g = Granularity.nvfp4()
+    assert choose_backend(torch.empty(16, 64), "e2m1", g) == "eager"
+    assert choose_backend(torch.empty(1024, tiled.NVFP4_TILED_MIN_ELEMENTS // 1024), "e2m1", g) == "tiled"

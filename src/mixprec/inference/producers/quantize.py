@@ -40,7 +40,7 @@ from mixprec.inference.checkpoint.safetensors_io import (
 )
 from mixprec.inference.checkpoint.scales_file import build_document
 from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, PLAIN, apply_assignment
-from mixprec.inference.producers.quantize_blocks import weight_global_scales
+from mixprec.inference.producers.quantize_blocks import nvfp4_groups
 from mixprec.inference.producers.quantize_calibration import Calibration, calibrate_job
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, resolve
 from mixprec.inference.producers.quantize_stream import StreamPlan, stream_tensors
@@ -186,7 +186,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
     stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
-                        weight_global_scales(ckpt, selection.targets, schemes))  # fmt: skip
+                        *nvfp4_groups(ckpt, selection.targets, schemes))  # fmt: skip
 
     def write_tensors(writer: PlannedShardWriter) -> None:
         stream_tensors(ckpt, writer, stream, layers, report, job.progress)

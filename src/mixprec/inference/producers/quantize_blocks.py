@@ -1,9 +1,9 @@
 """The block formats (NVFP4, MXFP4, MXFP8) in offline streaming quantization (producers/quantize.py calls these).
 
-NVFP4's weight global scales are per fused GEMM (block_tensors.fused_global_scales): before streaming, one
-read-only pass takes the amax of every NVFP4 target weight (a few weights in memory at a time, the
-same buffer reused), so each shard of q/k/v or gate/up is then quantized on its own, in plan order,
-with the shared global scale. Calibration-free schemes (nvfp4a16, mxfp4a16, mxfp4, mxfp8) never build
+NVFP4's weight global scales are per fused GEMM (block_tensors.fused_global_scales): the shards of
+q/k/v or gate/up are read together, once, by one task (quantize_group_task): their amax gives the shared
+global scale, and each is quantized from the buffer it was read into (a fused GEMM's inputs in memory
+at once, where an earlier pre-pass read every NVFP4 weight a second time for its amax). Calibration-free schemes (nvfp4a16, mxfp4a16, mxfp4, mxfp8) never build
 the model; nvfp4 calibrates input amax as fp8-static does and stores 448 * 6 / amax (in the weights'
 dtype, as llm-compressor computes it) as each Linear's input_global_scale.
 """
@@ -19,32 +19,51 @@ from mixprec.inference.checkpoint.block_tensors import fused_global_scales, inpu
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.inference.checkpoint.scales_file import compact_entry
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
+from mixprec.select import fused_shards
 
 
-def weight_global_scales(
+def nvfp4_groups(
     ckpt: Checkpoint, targets: dict[str, tuple[int, int]], schemes: dict[str, InferenceScheme]
-) -> dict[str, torch.Tensor]:
-    """{Linear: its NVFP4 weight global scale, shared across its fused GEMM's shards} for the targets
-    whose scheme has E4M3 block scales; empty when there are none."""
+) -> tuple[dict[str, tuple[str, ...]], torch.dtype]:
+    """({NVFP4 target: the targets that share its weight global scale, its fused GEMM's shards in
+    order, or itself alone}, the dtype the global scales are computed in: the NVFP4 weights' own, fp32
+    when they mix). Metadata only: nothing is read."""
     nv = [m for m in targets if schemes[m].weight_granularity.scale_format == "e4m3"]
-    if not nv:
-        return {}
-    infos = {m: ckpt.tensors[f"{m}.weight"] for m in nv}
-    buf = torch.empty(max(i.nbytes for i in infos.values()), dtype=torch.uint8)
-    amax: dict[str, float] = {}
-    dtypes = set()
-    with ShardReader() as reader:
-        for m, info in infos.items():
-            w = reader.get(info, out=buf)
-            lo, hi = torch.aminmax(w)
-            a = max(-float(lo), float(hi))
-            if not math.isfinite(a):
-                check_finite(w, info.name)  # raises, naming the tensor and the count
-            amax[m] = a
-            dtypes.add(info.dtype)
-    # the weights' own dtype (a checkpoint of one dtype; fp32 when they mix)
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    return fused_global_scales(amax, dtype)
+    groups = {m: (m,) for m in nv}
+    for members in fused_shards(nv).values():
+        groups.update(dict.fromkeys(members, tuple(members)))
+    dtypes = {ckpt.tensors[f"{m}.weight"].dtype for m in nv}
+    return groups, dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def quantize_group_task(
+    reader: ShardReader, infos: list, shapes: list[tuple[int, int]], schemes: list[InferenceScheme],
+    in_amax: list[float | None], in_pool, out_pool, dtype: torch.dtype,
+) -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]]:  # fmt: skip
+    """The NVFP4 weights of one fused GEMM (or one weight alone), each read once: their amax gives the
+    shared global scale (block_tensors.fused_global_scales, in `dtype`), then each is quantized from
+    the same buffer. {module: (output tensors in plan order, report entry, payload buffer)}."""
+    bufs = [in_pool.get() for _ in infos]
+    try:
+        ws = [reader.get(info, out=buf) for info, buf in zip(infos, bufs)]
+        modules = [info.name[: -len(".weight")] for info in infos]
+        amax = {m: _finite_amax(w, info.name) for m, w, info in zip(modules, ws, infos)}
+        shared = fused_global_scales(amax, dtype)
+        return {
+            m: _quantize_read(w, info, m, shape, sch, a, out_pool, shared[m])
+            for m, w, info, shape, sch, a in zip(modules, ws, infos, shapes, schemes, in_amax)
+        }
+    finally:
+        for buf in bufs:
+            in_pool.release(buf)
+
+
+def _finite_amax(w: torch.Tensor, name: str) -> float:
+    lo, hi = torch.aminmax(w)
+    a = max(-float(lo), float(hi))
+    if not math.isfinite(a):
+        check_finite(w, name)  # raises, naming the tensor and the count
+    return a
 
 
 def quantize_block_task(
@@ -56,22 +75,27 @@ def quantize_block_task(
     in_amax: float | None,
     in_pool,
     out_pool,
-    global_scale: torch.Tensor | None,
-) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]:
-    """quantize._quantize_task for a block scheme: (output tensors in plan order, report entry, payload
-    buffer to release once written)."""
+) -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]]:
+    """quantize._quantize_task for a block scheme without a shared global scale (MX): {module: (output
+    tensors in plan order, report entry, payload buffer to release once written)}."""
     buf = in_pool.get()
     try:
-        w = reader.get(info, out=buf)
-        payload = out_pool.get()
-        dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
-        data = payload[: w.numel()].view(dtype).view(shape)
-        q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)
+        return {
+            module: _quantize_read(reader.get(info, out=buf), info, module, shape, sch, in_amax, out_pool)
+        }
     finally:
         in_pool.release(buf)
+
+
+def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=None):
+    """One weight already read: (output tensors, report entry, payload buffer)."""
+    payload = out_pool.get()
+    dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
+    data = payload[: w.numel()].view(dtype).view(shape)
+    q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)
     in_global = input_global_scale(in_amax, info.dtype) if sch.input_global else None
     out = layer_tensors(module, q, sch, in_global)
     return out, compact_entry(q, sch, stats, shape, in_global, in_amax), payload
 
 
-__all__ = ["quantize_block_task", "weight_global_scales"]
+__all__ = ["nvfp4_groups", "quantize_block_task", "quantize_group_task"]

@@ -24,7 +24,7 @@ from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, PlannedShardWriter, ShardReader
 from mixprec.inference.checkpoint.scales_file import layer_entry
-from mixprec.inference.producers.quantize_blocks import quantize_block_task
+from mixprec.inference.producers.quantize_blocks import quantize_block_task, quantize_group_task
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
 from mixprec.progress import progress_bar
 from mixprec.scaling import compute_scale
@@ -36,13 +36,15 @@ COPY_CHUNK_BYTES = 16 << 20
 @dataclass(frozen=True)
 class StreamPlan:
     """What streaming needs to know: the Linears quantized ({name: (out, in)}) and their schemes, the
-    checkpoint layout they are written in, calibrated input amax, NVFP4's shared global scales."""
+    checkpoint layout they are written in, calibrated input amax, and NVFP4's weights grouped by
+    shared global scale with the dtype it is computed in (quantize_blocks.nvfp4_groups)."""
 
     targets: dict[str, tuple[int, int]]
     schemes: dict[str, InferenceScheme]
     layout: str
     input_amax: dict[str, float]
-    weight_globals: dict[str, torch.Tensor]
+    nvfp4_groups: dict[str, tuple[str, ...]]
+    global_dtype: torch.dtype = torch.float32
 
 
 def stream_tensors(
@@ -79,7 +81,7 @@ def stream_tensors(
                     _copy_through(reader, writer, info, chunk)
                 else:
                     queue.in_flight -= 1
-                    out, entry, payload = fut.result()
+                    out, entry, payload = fut.result()[module]
                     for name, tensor in out:
                         writer.write(name, tensor)
                     queue.out_pool.release(payload)
@@ -99,29 +101,46 @@ def stream_tensors(
 
 class _TaskQueue:
     """The input tensors in plan order, each with its quantize task (a future) when it is a target
-    Linear's weight: submitted ahead of the writer, at most `depth` in flight."""
+    Linear's weight: submitted ahead of the writer, at most `depth` weights in flight. The NVFP4 shards
+    of a fused GEMM share one task (a future per group, submitted at its first member): each weight is
+    read once, the group's amax giving the shared global scale."""
 
     def __init__(self, ckpt: Checkpoint, plan: StreamPlan, reader: ShardReader, pool: ThreadPoolExecutor,
                  in_pool: _BufferPool, out_pool: _BufferPool) -> None:  # fmt: skip
+        self.ckpt = ckpt
         self.todo = iter(ckpt.tensors.items())
         self.plan, self.reader, self.pool = plan, reader, pool
         self.in_pool, self.out_pool = in_pool, out_pool
         self.pending: deque[tuple[Any, str | None, Future | None]] = deque()
         self.in_flight = 0
+        self.groups: dict[tuple[str, ...], Future] = {}  # NVFP4 groups submitted
 
     def _submit(self) -> bool:
         p = self.plan
         for n, info in self.todo:
             module = n[: -len(".weight")] if n.endswith(".weight") else None
-            if module in p.targets:
+            if module not in p.targets:
+                self.pending.append((info, None, None))
+                continue
+            group = p.nvfp4_groups.get(module)
+            if group in self.groups:  # a later shard of a group already submitted
+                self.pending.append((info, module, self.groups[group]))
+                continue
+            if group is not None:
+                fut = self.pool.submit(
+                    quantize_group_task, self.reader, [self.ckpt.tensors[f"{m}.weight"] for m in group],
+                    [p.targets[m] for m in group], [p.schemes[m] for m in group],
+                    [p.input_amax.get(m) for m in group], self.in_pool, self.out_pool, p.global_dtype,
+                )  # fmt: skip
+                self.groups[group] = fut
+            else:
                 fut = self.pool.submit(
                     _quantize_task, self.reader, info, module, p.targets[module], p.schemes[module], p.layout,
-                    p.input_amax.get(module), self.in_pool, self.out_pool, p.weight_globals.get(module),
+                    p.input_amax.get(module), self.in_pool, self.out_pool,
                 )  # fmt: skip
-                self.pending.append((info, module, fut))
-                self.in_flight += 1
-                return True
-            self.pending.append((info, None, None))
+            self.pending.append((info, module, fut))
+            self.in_flight += len(group) if group is not None else 1
+            return True
         return False
 
     def fill(self, depth: int) -> None:
@@ -184,12 +203,11 @@ def _quantize_task(
     in_amax: float | None,
     in_pool: _BufferPool,
     out_pool: _BufferPool,
-    global_scale: torch.Tensor | None = None,
-) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]:
-    """Read and quantize one Linear weight (on a worker thread): the output tensors in plan order, its
-    scales-file entry, and the payload buffer to release once written."""
+) -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]]:
+    """Read and quantize one Linear weight (on a worker thread): {module: (the output tensors in plan
+    order, its scales-file entry, the payload buffer to release once written)}."""
     if not sch.is_fp8:
-        return quantize_block_task(reader, info, module, shape, sch, in_amax, in_pool, out_pool, global_scale)
+        return quantize_block_task(reader, info, module, shape, sch, in_amax, in_pool, out_pool)
     buf = in_pool.get()
     try:
         w = reader.get(info, out=buf)
@@ -211,7 +229,7 @@ def _quantize_task(
         input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
         input_granularity=sch.input_granularity.name,
     )  # fmt: skip
-    return out, entry, payload
+    return {module: (out, entry, payload)}
 
 
 __all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "stream_tensors"]
