@@ -64,15 +64,28 @@ def takes_bf16_path(mode: str, device: torch.device, out_dtype: torch.dtype) -> 
 # Exact bf16 operands
 
 
-def e4m3_to_bf16(payload: torch.Tensor) -> torch.Tensor:
-    """The E4M3 payload's values in bf16, exactly.
+def e4m3_to_bf16_unscaled(payload: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(values, factor): bf16 values with values * factor == the E4M3 payload's values, exactly.
 
-    Eager on the CPU: formats.decode_unscaled's vectorized bit trick (values * 2^-8; NaN codes decoded
-    by torch's cast), one fp32 -> bf16 cast and the 2^8 back in bf16, all exact; torch's float8 -> bf16
-    cast is scalar code there (3 ms for a 1536 x 576 weight, against ~0.6 ms)."""
+    Eager on the CPU: formats.decode_unscaled's vectorized bit trick (values * 2^-8, factor 2^8; NaN
+    codes decoded by torch's cast) and one fp32 -> bf16 cast, exact (the smallest, 2^-17, is normal);
+    torch's float8 -> bf16 cast is scalar code there (3 ms for a 1536 x 576 weight, against ~0.6 ms)."""
     values, factor = decode_unscaled(payload, E4M3)
-    values = values.to(torch.bfloat16)
+    return values.to(torch.bfloat16), factor
+
+
+def e4m3_to_bf16(payload: torch.Tensor) -> torch.Tensor:
+    """The E4M3 payload's values in bf16, exactly (the decoded-weight cache holds these)."""
+    values, factor = e4m3_to_bf16_unscaled(payload)
     return values.mul_(factor) if factor != 1.0 else values  # a power of two: exact
+
+
+def folded(scale: torch.Tensor, factor: float) -> torch.Tensor | None:
+    """scale * factor (a power of two: exact), None where that overflows (scales near fp32's maximum)."""
+    if factor == 1.0:
+        return scale
+    out = scale * factor
+    return out if bool(torch.isfinite(out).all()) else None
 
 
 def e2m1_block_weight_bf16(codes: torch.Tensor, block_scale: torch.Tensor, g: Granularity) -> torch.Tensor:
@@ -124,6 +137,8 @@ __all__ = [
     "cpu_bf16_native",
     "e2m1_block_weight_bf16",
     "e4m3_to_bf16",
+    "e4m3_to_bf16_unscaled",
+    "folded",
     "scaled_bf16_linear",
     "takes_bf16_path",
 ]

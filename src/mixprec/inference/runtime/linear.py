@@ -37,6 +37,8 @@ from mixprec.inference.runtime.bf16_forward import (
     cpu_bf16_native,
     e2m1_block_weight_bf16,
     e4m3_to_bf16,
+    e4m3_to_bf16_unscaled,
+    folded,
     scaled_bf16_linear,
     takes_bf16_path,
 )
@@ -150,9 +152,14 @@ class QuantizedLinear(nn.Module):
             self._observer(self._observer_name, "input", x2.detach(), xq.scale, E4M3)
         rows = expand_scale(xq.effective_scale(), xq.granularity, *x2.shape)  # [M, 1] or [1, 1]
         cols = expand_scale(self.weight_scale, self.weight_granularity, self.out_features, self.in_features)
+        # the input's values times 2^-8 (decode_unscaled): the 2^8 joins its scale, exactly, which
+        # multiplies the sums first — every product after it is the same number as without it
+        a, factor = e4m3_to_bf16_unscaled(xq.data)
+        if (row_scale := folded(rows, factor)) is None:  # scales near fp32's maximum: exact values
+            a, row_scale = a.mul_(factor), rows
         return scaled_bf16_linear(
-            e4m3_to_bf16(xq.data), self.bf16_weight(), row_scale=rows, col_scale=cols.t(), divisor=None,
-            bias=self.bias, out_dtype=self.out_dtype,
+            a, self.bf16_weight(), row_scale=row_scale, col_scale=cols.t(), divisor=None, bias=self.bias,
+            out_dtype=self.out_dtype,
         )  # fmt: skip
 
     # ---- quantities --------------------------------------------------------------------------
