@@ -589,8 +589,7 @@ def decode_e4m3_unscaled_into(payload: torch.Tensor, i16: torch.Tensor, out: tor
 _CAST_VECTORIZED: list[bool] = []  # torch's CPU dispatch level, read once
 
 
-def _fp8_cast_vectorized() -> bool:
-    """torch's CPU float8 -> float32 cast runs vectorized (its AVX-512 kernels, measured; not AVX2's)."""
+def _fp8_cast_vectorized() -> bool:  # torch's float8 -> fp32 CPU cast: vectorized in its AVX-512 kernels
     if not _CAST_VECTORIZED:
         _CAST_VECTORIZED.append(torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
     return _CAST_VECTORIZED[0]

@@ -289,3 +289,52 @@ def test_bf16_candidate_checks_the_guides_claim(eval_env):
     assert r.passed, [g.to_dict() for g in r.gates]
     assert r.candidate["parameter_dtypes"] == ["bfloat16"] and r.memory["weight_saving_fraction"] == 0.5
     assert abs(r.tasks["lm"]["perplexity_relative_change"]) < 1e-3 and r.tasks["lm"]["kl_mean"] > 0
+
+
+def _bf16_pair(eval_env):
+    """The tiny Llama in bf16 and a copy quantized online to fp8-dynamic, its layers forced onto the bf16
+    forward (any CPU: runtime/bf16_forward.py) so that their decoded-weight caches fill."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import mixprec
+    from mixprec.inference import QuantizedLinear
+
+    ref = AutoModelForCausalLM.from_pretrained(eval_env["llama"]).bfloat16()
+    cand = copy.deepcopy(ref)
+    mixprec.quantize_model_(cand, "fp8-dynamic")
+    layers = [m for m in cand.modules() if isinstance(m, QuantizedLinear)]
+    for m in layers:
+        m.bf16_gemm = "always"
+    return ref, cand, sum(2 * m.in_features * m.out_features for m in layers)
+
+
+def test_decoded_weight_cache_counted_in_weights_in_memory(eval_env):
+    """With the cache on, the candidate's weights in memory include its bf16 copies of the quantized
+    weights (2 bytes per weight), exactly; off, none are held and the figure is the payloads' alone."""
+    runs = {}
+    for cache in (True, False):
+        ref, cand, cache_bytes = _bf16_pair(eval_env)
+        runs[cache] = evaluate(ref, cand, data=eval_env["corpus"], task="lm", samples=4, seq_len=16,
+                               progress=False, decoded_cache=cache, tokenizer=eval_env["tokenizer"])  # fmt: skip
+    on, off = runs[True], runs[False]
+    assert on.candidate["decoded_weight_cache_bytes"] == cache_bytes
+    assert off.candidate["decoded_weight_cache_bytes"] == 0
+    assert on.candidate["decoded_weight_cache"] is True and off.candidate["decoded_weight_cache"] is False
+    mem_on, mem_off = on.memory["candidate_weight_bytes_memory"], off.memory["candidate_weight_bytes_memory"]
+    assert mem_on == mem_off + cache_bytes
+    assert on.memory["weight_saving_bytes"] == off.memory["weight_saving_bytes"] - cache_bytes
+    assert on.settings["decoded_cache"] is True and off.settings["decoded_cache"] is False
+    assert on.tasks["lm"]["candidate_perplexity"] == off.tasks["lm"]["candidate_perplexity"]  # same bits
+
+
+def test_no_decoded_cache_flag(eval_env, tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["evaluate", "--reference", str(eval_env["llama"]), "--candidate-scheme", "fp8-dynamic", "--data",
+                 str(eval_env["corpus"]), "--samples", "2", "--seq-len", "16", "--no-progress",
+                 "--no-decoded-cache", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["decoded_cache"] is False and doc["candidate"]["decoded_weight_cache"] is False
+    assert doc["candidate"]["decoded_weight_cache_bytes"] == 0

@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calib-samples", type=int, default=32, help="fp8-static: calibration samples from --data"
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    parser.add_argument(
+        "--decoded-cache", action=argparse.BooleanOptionalAction, default=False,
+        help="quantized Linears of a bf16 model keep their weights decoded to bf16 after first use (the fast "
+        "CPU path; counted in weights in memory, so an FP8 candidate can outgrow its bf16 reference); "
+        "default off: weights decoded per call",
+    )  # fmt: skip
     add_interval_arguments(parser)
     add_gate_arguments(parser)
     parser.add_argument(
@@ -158,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples, seq_len=args.seq_len, gates=gates, device=args.device, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, calib_samples=args.calib_samples,
         progress=not args.no_progress, paragraphs=args.paragraphs, allow_fewer=args.allow_fewer,
-        bootstrap=bootstrap, strict=args.strict,
+        bootstrap=bootstrap, strict=args.strict, decoded_cache=args.decoded_cache,
     )  # fmt: skip
     if args.json:
         result.write_json(args.json)

@@ -74,6 +74,7 @@ class EvaluationJob:
     paragraphs: bool
     allow_fewer: bool
     strict: bool
+    decoded_cache: bool = False  # quantized Linears keep their bf16-decoded weights (counted as memory)
 
     @property
     def unit(self) -> str:
@@ -102,6 +103,7 @@ def evaluation_job(
     allow_fewer: bool,
     bootstrap: Bootstrap | None,
     strict: bool,
+    decoded_cache: bool = False,
 ) -> EvaluationJob:
     """evaluate()'s arguments checked (MixprecError on the first problem) and its models' configs read."""
     gates = gates or Gates()
@@ -123,6 +125,7 @@ def evaluation_job(
         samples=samples, seq_len=seq_len, prompt_len=plen, max_new_tokens=max_new_tokens,
         calib_samples=calib_samples, batch_size=batch_size, gates=gates, bootstrap=bootstrap, device=dev,
         tokenizer=tokenizer, progress=progress, paragraphs=paragraphs, allow_fewer=allow_fewer, strict=strict,
+        decoded_cache=bool(decoded_cache),
     )  # fmt: skip
 
 

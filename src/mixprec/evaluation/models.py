@@ -18,6 +18,7 @@ from mixprec.hf import load_model, model_kind, read_config, vocab_size
 from mixprec.inference.checkpoint.configs import parse_quantization_config
 from mixprec.inference.checkpoint.scales_file import find_scales_file
 from mixprec.inference.readers.load import load_quantized
+from mixprec.inference.runtime.linear import decoded_cache_bytes
 from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.kernels import bf16_cpu
 from mixprec.kernels.hardware import detect
@@ -51,6 +52,8 @@ class Side:
             "tensor_bytes_by_dtype": tensor_bytes_by_dtype(self.model),
             "weight_bytes_disk": weight_bytes_on_disk(self.directory),
             "weight_bytes_memory": weight_bytes_in_memory(self.model),
+            # of which the bf16 copies of quantized weights (the decoded-weight cache), when held
+            "decoded_weight_cache_bytes": decoded_cache_bytes(self.model),
             **self.info,
         }
 

@@ -46,6 +46,7 @@ from mixprec.hf import (
     transformers_progress,
     vocab_size,
 )
+from mixprec.inference.runtime.linear import set_decoded_cache
 from mixprec.kernels import emulation
 from mixprec.kernels.hardware import describe_machine, detect
 from mixprec.progress import ProgressBars
@@ -72,6 +73,7 @@ def evaluate(
     allow_fewer: bool = False,
     bootstrap: Bootstrap | None = None,
     strict: bool = False,
+    decoded_cache: bool = False,
 ) -> EvaluationResult:
     """Compare `candidate` (a directory or module, or `candidate_scheme` applied to the reference) with
     `reference` on `samples` samples of `data`; returns every figure, its confidence interval and the
@@ -82,14 +84,17 @@ def evaluate(
     of a .txt (`paragraphs=True`: per blank-line-separated paragraph), one per .jsonl record; fewer than
     `samples` is an error unless `allow_fewer`. `tokenizer`: a transformers tokenizer, else the reference
     directory's. `bootstrap`: level, resamples and seed of the intervals. `strict`: an inconclusive gate
-    fails. Raises MixprecError on bad input, before any model is loaded.
+    fails. `decoded_cache`: the quantized Linears of a bf16 model keep their weights decoded to bf16
+    after first use (the fast bf16 forward on CPUs with native bf16 GEMMs); the copies are counted in
+    "weights in memory". False decodes per call: the throughput without that memory. Raises
+    MixprecError on bad input, before any model is loaded.
     """
     started = time.perf_counter()
     job = evaluation_job(reference, candidate, candidate_scheme=candidate_scheme, data=data, task=task,
                          samples=samples, seq_len=seq_len, gates=gates, device=device, batch_size=batch_size,
                          max_new_tokens=max_new_tokens, prompt_len=prompt_len, calib_samples=calib_samples,
                          tokenizer=tokenizer, progress=progress, paragraphs=paragraphs, allow_fewer=allow_fewer,
-                         bootstrap=bootstrap, strict=strict)  # fmt: skip
+                         bootstrap=bootstrap, strict=strict, decoded_cache=decoded_cache)  # fmt: skip
     inputs = _read_inputs(job)
     ref, cand, processor = _load_models(job, inputs)
     figures, per_sample = _run_tasks(job, ref, cand, inputs, processor)
@@ -190,6 +195,9 @@ def _load_models(job: EvaluationJob, inputs: Inputs) -> tuple[Side, Side, Any]:
         else:
             cand = derive_candidate(ref, job.scheme, inputs.calibration)
         processor = image_processor(ref.directory, ref.model) if "clip" in job.tasks else None
+    for side in (ref, cand):
+        if set_decoded_cache(side.model, job.decoded_cache):  # a model with quantized Linears
+            side.info["decoded_weight_cache"] = job.decoded_cache
     return ref, cand, processor
 
 
@@ -305,6 +313,7 @@ def _settings(job: EvaluationJob) -> dict:
         "gates": job.gates.active(),
         "bootstrap": job.bootstrap.to_dict(),
         "strict": job.strict,
+        "decoded_cache": job.decoded_cache,
         "allow_fewer": job.allow_fewer,
     }
 

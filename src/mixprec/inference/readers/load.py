@@ -54,7 +54,7 @@ from mixprec.inference.checkpoint.scales_file import (
     weight_scale_tensor,
 )
 from mixprec.inference.runtime.experts import unfuse_skeleton
-from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
+from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear, set_decoded_cache
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.scaling import QuantizedTensor
 
@@ -125,6 +125,7 @@ def load_quantized(
     *,
     scales: Any = None,
     device: str | torch.device = "cpu",
+    decoded_cache: bool = False,
 ) -> nn.Module:
     """Load a quantized checkpoint directory as a model whose Linears run FP8 (or FP4) GEMMs; returns it
     in eval mode.
@@ -132,6 +133,9 @@ def load_quantized(
     The loader's report (what was quantized, recomputed scales, warnings) is `model.mixprec_report`.
     `scales=`: a path to a scales file, a scales document, or {layer: {"weight_scale": ..., "input_scale": ...}},
     overriding what the checkpoint and scales file hold.
+    `decoded_cache`: a bf16 model's quantized Linears keep their weights decoded to bf16 after first use
+    (the fast bf16 forward on CPUs with native bf16 GEMMs; the copies count as the model's memory);
+    False decodes them on every call (runtime/linear.py).
     """
     root = Path(path)
     ckpt = open_checkpoint(root)
@@ -169,6 +173,7 @@ def load_quantized(
         report.notes.append(f"scales file {file_path.name}: {len(ld.file_layers)} layers, {how}")
     model.to(device)
     model.eval()
+    set_decoded_cache(model, decoded_cache)
     model.mixprec_report = report
     return model
 

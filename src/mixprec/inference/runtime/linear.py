@@ -7,6 +7,13 @@ It keeps exactly what a compressed-tensors checkpoint stores (`weight` payload, 
 Casting the model (`.to(dtype)`, `.half()`, `.bfloat16()`, `.float()`) changes the compute and output
 dtype only: the FP8 payload and its float32 scales are the quantized model and keep their dtypes and
 bits (`_apply`); device moves move them.
+
+A bf16 model's layers run the bf16 forward (runtime/bf16_forward.py) where the CPU has native bf16
+GEMMs: the weight decoded exactly to bf16, one bf16 GEMM, the scales in an fp32 epilogue. The decoded
+weight is kept after its first use (`decoded_cache`, on by default: a plain tensor attribute, so every
+count of the model's tensors — evaluate's "weights in memory" — includes it) or decoded per call
+(`decoded_cache = False`, or `set_decoded_cache(model, False)`, which also drops the caches held).
+`bf16_gemm`: "auto" (native bf16 CPUs), "always" (tests, any CPU) or "never" (the fp32 emulation).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, pack_nibbles, pow2, unpack_nibbles
 from mixprec.gemm import scaled_mm
 from mixprec.inference.checkpoint.layout import (
@@ -24,9 +32,19 @@ from mixprec.inference.checkpoint.layout import (
     WEIGHT_PACKED,
     WEIGHT_SCALE,
 )
+from mixprec.inference.runtime.bf16_forward import (
+    BF16_MODES,
+    cpu_bf16_native,
+    e2m1_block_weight_bf16,
+    e4m3_to_bf16,
+    e4m3_to_bf16_unscaled,
+    folded,
+    scaled_bf16_linear,
+    takes_bf16_path,
+)
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.quantization import quantize
-from mixprec.scaling import Granularity, QuantizedTensor
+from mixprec.scaling import Granularity, QuantizedTensor, expand_scale
 
 
 class QuantizedLinear(nn.Module):
@@ -54,6 +72,7 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)
         self._observer = None
         self._observer_name: str | None = None
+        self._init_bf16_forward()
 
     @classmethod
     def from_linear(
@@ -92,7 +111,56 @@ class QuantizedLinear(nn.Module):
                 self._buffers[k] = None if t is None else t.to(device=probe.device)
         if probe.dtype in self._OUT_DTYPES:
             self.out_dtype = probe.dtype
+        self.decoded_weight = None  # decoded again on its new device when next used
         return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.decoded_weight = None  # the payload changes: its decoded copy is stale
+        super()._load_from_state_dict(*args, **kwargs)
+
+    # ---- the bf16 forward and its decoded-weight cache ------------------------------------------
+    def _init_bf16_forward(self) -> None:
+        self.bf16_gemm = "auto"
+        self.decoded_cache = True
+        self.decoded_weight: torch.Tensor | None = None  # a plain attribute: counted as model memory
+        cpu_bf16_native()  # detect() now, eagerly: never inside a torch.compile trace
+
+    def _bf16_weight_values(self) -> torch.Tensor:
+        """The weight's exact values in bf16 (the E4M3 payload; see bf16_forward)."""
+        return e4m3_to_bf16(self.weight)
+
+    def bf16_weight(self) -> torch.Tensor:
+        """The weight decoded to bf16 for the bf16 GEMM: the cached copy, else decoded now (and kept
+        when decoded_cache is on; never stored from inside a torch.compile trace)."""
+        if self.decoded_weight is not None:
+            return self.decoded_weight
+        w = self._bf16_weight_values()
+        if self.decoded_cache and not torch.compiler.is_compiling():
+            self.decoded_weight = w
+        return w
+
+    def _takes_bf16_path(self, x2: torch.Tensor) -> bool:
+        if self.bf16_gemm not in BF16_MODES:
+            raise MixprecError(f"bf16_gemm must be one of {', '.join(BF16_MODES)}, got {self.bf16_gemm!r}")
+        # scales constant along K on both operands: they can multiply the GEMM's sums afterwards
+        k_uniform = self.weight_granularity.block_cols is None and self.input_granularity.block_cols is None
+        return k_uniform and takes_bf16_path(self.bf16_gemm, x2.device, self.out_dtype)
+
+    def _forward_bf16(self, x2: torch.Tensor) -> torch.Tensor:
+        xq = quantize(x2, E4M3, self.input_granularity, scale=self.input_scale)
+        if self._observer is not None:
+            self._observer(self._observer_name, "input", x2.detach(), xq.scale, E4M3)
+        rows = expand_scale(xq.effective_scale(), xq.granularity, *x2.shape)  # [M, 1] or [1, 1]
+        cols = expand_scale(self.weight_scale, self.weight_granularity, self.out_features, self.in_features)
+        # the input's values times 2^-8 (decode_unscaled): the 2^8 joins its scale, exactly, which
+        # multiplies the sums first — every product after it is the same number as without it
+        a, factor = e4m3_to_bf16_unscaled(xq.data)
+        if (row_scale := folded(rows, factor)) is None:  # scales near fp32's maximum: exact values
+            a, row_scale = a.mul_(factor), rows
+        return scaled_bf16_linear(
+            a, self.bf16_weight(), row_scale=row_scale, col_scale=cols.t(), divisor=None, bias=self.bias,
+            out_dtype=self.out_dtype,
+        )  # fmt: skip
 
     # ---- quantities --------------------------------------------------------------------------
     @property
@@ -126,6 +194,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
+        if self._takes_bf16_path(x2):
+            return self._forward_bf16(x2).reshape(*lead, self.out_features)
         # the one quantize entry: fused Triton kernels on CUDA, graph-break-free under torch.compile,
         # the eager (or, for big inputs, tiled) torch code on the CPU; bit-identical everywhere
         xq = quantize(x2, E4M3, self.input_granularity, scale=self.input_scale)
@@ -190,6 +260,7 @@ class BlockQuantizedLinear(QuantizedLinear):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)
         self._observer = None
         self._observer_name = None
+        self._init_bf16_forward()
 
     @property
     def input_granularity(self) -> Granularity:
@@ -206,12 +277,38 @@ class BlockQuantizedLinear(QuantizedLinear):
             torch.Size((self.out_features, self.in_features)), self.weight_global_scale,
         )  # fmt: skip
 
+    def _bf16_weight_values(self) -> torch.Tensor:
+        """E2M1 codes times their E4M3 block scales, exact in bf16 (the global scale divides the sums)."""
+        return e2m1_block_weight_bf16(
+            unpack_nibbles(self.weight_packed), self.weight_scale, self.weight_granularity
+        )
+
+    def _takes_bf16_path(self, x2: torch.Tensor) -> bool:
+        if self.bf16_gemm not in BF16_MODES:
+            raise MixprecError(f"bf16_gemm must be one of {', '.join(BF16_MODES)}, got {self.bf16_gemm!r}")
+        nvfp4_a16 = (
+            self.scheme.weights_only
+            and self.weight_packed is not None
+            and self.weight_global_scale is not None
+        )
+        return (
+            nvfp4_a16
+            and x2.dtype == torch.bfloat16
+            and takes_bf16_path(self.bf16_gemm, x2.device, self.out_dtype)
+        )
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
+        if self._takes_bf16_path(x2):  # NVFP4 A16 with a bf16 input: the bf16 GEMM, then / global scale
+            out = scaled_bf16_linear(
+                x2, self.bf16_weight(), row_scale=None, col_scale=None, divisor=self.weight_global_scale,
+                bias=self.bias, out_dtype=self.out_dtype,
+            )  # fmt: skip
+            return out.reshape(*lead, self.out_features)
         wq = self.quantized_weight()
         if self.scheme.weights_only:
             bias = None if self.bias is None else self.bias.float()
@@ -245,3 +342,24 @@ def quantized_linear(
     for NVFP4 / MXFP4 / MXFP8 (input_scale: nvfp4's input global scale)."""
     cls = QuantizedLinear if scheme.is_fp8 else BlockQuantizedLinear
     return cls(weight, bias, scheme, input_scale=input_scale, out_dtype=out_dtype)
+
+
+def quantized_linears(model: nn.Module) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def set_decoded_cache(model: nn.Module, enabled: bool) -> int:
+    """Turn the decoded-weight cache of every quantized Linear in `model` on or off (off also drops
+    the decoded copies held); returns how many layers were set."""
+    layers = quantized_linears(model)
+    for m in layers:
+        m.decoded_cache = bool(enabled)
+        if not enabled:
+            m.decoded_weight = None
+    return len(layers)
+
+
+def decoded_cache_bytes(model: nn.Module) -> int:
+    """Bytes of the decoded weights the model's quantized Linears hold now (part of its weight memory)."""
+    held = (m.decoded_weight for m in quantized_linears(model))
+    return sum(t.numel() * t.element_size() for t in held if t is not None)
