@@ -289,18 +289,21 @@ def _bf16_operand(q: QuantizedTensor) -> _Bf16Operand | None:
 
 def _blocked_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
     """fp32 [M, N] for operands with K-blocked scales, on the bf16 units; None where it cannot."""
+    k = a.data.shape[1]
+    if emulation.requested() != "bf16" and any(
+        q.granularity.scale_format == "fp32" and k_block(q.granularity, k) != k for q in (a, b)
+    ):
+        # "auto": the K-chunked GEMM's partials cost more than the bf16 units save (1x128 x 128x128,
+        # 2048x1024x1024: 328 ms against 172 ms for the fp32 backend, AVX-512-BF16 EPYC, loaded);
+        # decided before any operand is built
+        return None
     pa, pb = _bf16_operand(a), _bf16_operand(b)
     if pa is None or pb is None:
         return None
-    k = pa.values.shape[1]
     # K-chunks: the K-blocks of the operands whose outside scales vary along K (both nest, or none)
     blocks = [op.k_block for op in (pa, pb) if op.row_scales.shape[0] > 1]
     chunk = math.gcd(*blocks) if blocks else k
     if chunk < min(_MIN_K_BLOCK, k):  # blockings sharing only short chunks (1x40 and 1x128: 8)
-        return None
-    if chunk != k and emulation.requested() != "bf16":
-        # "auto": the chunked GEMM's partials cost more than the bf16 units save (1x128 x 128x128,
-        # 2048x1024x1024: 328 ms against 172 ms for the fp32 backend, AVX-512-BF16 EPYC, loaded)
         return None
     if chunk == k:
         out = _matmul("bf16", pa.values, pb.values.t())
