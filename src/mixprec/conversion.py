@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 
-SCHEMA_VERSION = 4  # 4: inference reports say the real kind (fp8 / fp4 / mixed) and each layer its own; 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
+SCHEMA_VERSION = 5  # 5: inference reports carry `algorithm` (GPTQ: parameters, data, per-layer output errors); 4: inference reports say the real kind (fp8 / fp4 / mixed) and each layer its own; 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
 # the precision prefixes of a quantized module: the family of its format
 QUANTIZED_KINDS = ("fp8", "fp4")
 
@@ -52,6 +52,7 @@ class ConversionReport:
     warnings: list[str] = field(default_factory=list)
     output: str | None = None
     calibration: dict[str, Any] | None = None  # what calibration ran and why it stopped (static schemes)
+    algorithm: dict[str, Any] | None = None  # what ran beyond round to nearest (--algorithm), per layer
 
     # ---- building (inference) --------------------------------------------------------------------
     def add_quantized_linear(
@@ -149,6 +150,7 @@ class ConversionReport:
                 warnings=list(self.warnings),
                 output=self.output,
                 calibration=self.calibration,
+                algorithm=self.algorithm,
             )
         return d
 

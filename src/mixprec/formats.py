@@ -550,10 +550,9 @@ def decode_unscaled(payload: torch.Tensor, fmt: str | Format) -> tuple[torch.Ten
     """(values, factor): fp32 values with values * factor == decode(payload) exactly (a power of two).
 
     On the CPU (eager) E4M3 and E5M2 payloads are decoded through fp16 bit patterns with vectorized
-    integer ops where torch's float8 -> float32 cast is scalar code (AVX2 builds: 13 ms against 1.8 ms
-    for 4M elements, 2 threads). Where torch dispatches AVX-512 kernels its E4M3 cast is vectorized and
-    beats the bit trick and its NaN check (20 ms against 117 ms for 2M elements, AVX-512-BF16 EPYC, torch
-    2.13, loaded): E4M3 takes the cast there (factor 1; the same values). E5M2 is the top byte of an fp16 (same bias, infinities and NaN included):
+    integer ops: torch's float8 -> float32 cast is much slower on every CPU measured (AVX2 builds: 13 ms
+    against 1.8 ms for 4M elements, 2 threads; AVX-512-BF16 EPYC, torch 2.13, idle: 2.9 ms against
+    0.3 ms for 2M elements, the NaN check below included). E5M2 is the top byte of an fp16 (same bias, infinities and NaN included):
     shift left by 8, factor 1. E4M3 s.eeee.mmm shifted left by 7 as a sign-extended int16, with bit 14
     (a copy of the sign) cleared, is the fp16 s.0eeee.mmm0000000: the E4M3 value times 2^-8 (bias 15
     instead of 7, subnormals included), factor 2^8 — a GEMM that multiplies by scales anyway folds it
@@ -568,7 +567,7 @@ def decode_unscaled(payload: torch.Tensor, fmt: str | Format) -> tuple[torch.Ten
     if fast and fmt.name == "e5m2":
         bits = payload.view(torch.int8).to(torch.int16).bitwise_left_shift_(8)
         return bits.view(torch.float16).float(), 1.0
-    if fast and fmt.name == "e4m3" and not _fp8_cast_vectorized() and not _has_e4m3_nan(payload):
+    if fast and fmt.name == "e4m3" and not _has_e4m3_nan(payload):
         out = torch.empty_like(payload, dtype=torch.float32)  # keeps a transposed view's layout
         decode_e4m3_unscaled_into(payload, torch.empty_like(payload, dtype=torch.int16), out)
         return out, 256.0
@@ -584,15 +583,6 @@ def decode_e4m3_unscaled_into(payload: torch.Tensor, i16: torch.Tensor, out: tor
     i16.copy_(payload.view(torch.int8))  # sign-extended
     i16.bitwise_left_shift_(7).bitwise_and_(-16385)  # -16385 is 0xBFFF as an int16: clears bit 14
     out.copy_(i16.view(torch.float16))
-
-
-_CAST_VECTORIZED: list[bool] = []  # torch's CPU dispatch level, read once
-
-
-def _fp8_cast_vectorized() -> bool:  # torch's float8 -> fp32 CPU cast: vectorized in its AVX-512 kernels
-    if not _CAST_VECTORIZED:
-        _CAST_VECTORIZED.append(torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
-    return _CAST_VECTORIZED[0]
 
 
 def _has_e4m3_nan(payload: torch.Tensor) -> bool:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 from mixprec.errors import MixprecError
 from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
+from mixprec.inference.algorithms.spec import ALGORITHMS, RTN, AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.observers import OBSERVERS
 from mixprec.inference.calibration.run import DEFAULT_MIN_TOKENS, DEFAULT_TOLERANCE, DEFAULT_WINDOW, StopRule
 from mixprec.inference.checkpoint.layout import LAYOUTS
@@ -38,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_format_arguments(parser)
     add_calibration_arguments(parser)
+    add_algorithm_arguments(parser)
     add_selection_arguments(parser)
     add_auto_arguments(parser)
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -102,6 +105,36 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
         "--layer-by-layer", action=argparse.BooleanOptionalAction, default=None,
         help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM)",
     )  # fmt: skip
+
+
+def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
+    """What rounds the weights beyond round to nearest (docs/algorithms.md)."""
+    group = parser.add_argument_group("algorithms (docs/algorithms.md)")
+    group.add_argument(
+        "--algorithm", default=RTN, metavar="NAME[,NAME]",
+        help=f"rtn: round to nearest (default); gptq: GPTQ on --calib-data, every Linear rounded with its "
+        f"scheme's own scale rule (known: {', '.join(ALGORITHMS)})",
+    )  # fmt: skip
+    defaults = GptqParams()
+    group.add_argument("--gptq-damp", type=float, default=defaults.damp, metavar="FRACTION",
+                       help=f"added to the Hessian diagonal, a fraction of its mean (default {defaults.damp})")  # fmt: skip
+    group.add_argument("--gptq-block", type=int, default=defaults.block, metavar="COLUMNS",
+                       help=f"columns per lazy update (default {defaults.block})")  # fmt: skip
+    group.add_argument(
+        "--act-order", action=argparse.BooleanOptionalAction, default=defaults.act_order,
+        help="GPTQ: columns by decreasing Hessian diagonal, group scales fixed up front (default on)",
+    )  # fmt: skip
+    group.add_argument(
+        "--sequential", action=argparse.BooleanOptionalAction, default=defaults.sequential,
+        help="GPTQ: calibrate each block on the outputs of the blocks before it with their weights rounded "
+        "(default on); --no-sequential: on the unquantized outputs",
+    )  # fmt: skip
+
+
+def algorithm_spec(args: argparse.Namespace) -> AlgorithmSpec:
+    """--algorithm and its parameters, checked before any work."""
+    return AlgorithmSpec.parse(args.algorithm, damp=args.gptq_damp, block=args.gptq_block,
+                               act_order=args.act_order, sequential=args.sequential)  # fmt: skip
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +209,8 @@ def _perplexity(model: str, data: str, samples: int, seq_len: int):
 
 
 def run_auto(args: argparse.Namespace) -> int:
+    if algorithm_spec(args).names:
+        raise MixprecError("--scheme auto chooses among round-to-nearest candidates; --algorithm takes one fixed scheme")
     if args.format != "compressed-tensors":
         raise MixprecError("--scheme auto writes the compressed-tensors layout only")
     if args.calib_data is None:
@@ -219,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
         return run_auto(args)
     if args.budget is not None or args.target_ppl_increase is not None:
         raise MixprecError("--budget and --target-ppl-increase are for --scheme auto")
+    algorithm = algorithm_spec(args)
     report = quantize_checkpoint(
         args.model,
         args.output,
@@ -237,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         layer_by_layer=args.layer_by_layer,
         progress=not args.quiet and not args.json,
         strict=args.strict,
+        algorithm=algorithm,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -245,9 +282,9 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     counts = report.summary()
-    n_fp8 = sum(v for k, v in counts.items() if k.startswith("fp8"))
+    n_quantized = sum(v for k, v in counts.items() if k.startswith(("fp8", "fp4")))
     console.print(
-        f"[green]wrote {args.output}[/green]: {n_fp8} Linear layers quantized ({report.scheme}), "
+        f"[green]wrote {args.output}[/green]: {n_quantized} Linear layers quantized ({report.scheme}), "
         f"{len(report.skipped)} kept in high precision; weights {report.weight_bytes_before / 2**20:.1f} MiB -> "
         f"{report.weight_bytes_after / 2**20:.1f} MiB; max relative weight error {report.max_relative_weight_error:.2e}"
     )
@@ -255,6 +292,18 @@ def run(args: argparse.Namespace) -> int:
         cal = report.calibration
         console.print(f"calibration: {cal['samples']} of at most {cal['samples_available']} samples "
                       f"({cal['tokens']} tokens, {cal['seconds']:.0f} s); {cal['reason']}")  # fmt: skip
+    if report.algorithm:
+        console.print(_algorithm_line(report.algorithm))
     for w in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
     return 0
+
+
+def _algorithm_line(record: dict) -> str:
+    """One line: what ran, and the calibration output error it reached against round to nearest."""
+    layers = record["layers"].values()
+    ratio = statistics.median(r["output_error"] / r["output_error_rtn"] for r in layers if r["output_error_rtn"] > 0)
+    return (
+        f"{'+'.join(record['names'])}: {len(record['layers'])} Linears on {record['tokens']} calibration tokens in "
+        f"{record['seconds']:.0f} s; calibration output error {ratio:.2f}x round to nearest's (median over layers)"
+    )

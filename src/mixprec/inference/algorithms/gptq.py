@@ -100,7 +100,10 @@ def gptq_quantize(
     # scales fixed up front: with activation order, a given scale, or one group over all of K (chosen
     # at column 0, before any update: the same as up front); else chosen as each group is reached
     up_front = act_order or scale is not None or width == k
-    fixed = _group_scales(w, fmt_, granularity, width, scale, global_scale) if up_front else {}
+    # in the weight's own dtype: "input" scale math (compressed-tensors') rounds amax / max to it
+    source = weight.detach().clone()
+    source[:, dead] = 0
+    fixed = _group_scales(source, fmt_, granularity, width, scale, global_scale) if up_front else {}
     hinv = _inverse_cholesky(h if order is None else h[order][:, order], name)
     solver = _Solver(w, fmt_, granularity, width, fixed, global_scale)
     solver.run(hinv, order, block if width == k else max(width, block - block % width))

@@ -7,15 +7,18 @@ for every batch (a pre-hook records them and stops the forward), then each block
 the shards, run on the captured inputs with the observers' hooks on, its outputs kept as the next
 block's inputs, and its weights dropped again. Peak memory: one block + the hidden states of the
 calibration set (samples x seq_len x hidden in the model dtype).
+
+The same walk carries the algorithms that work block by block (a BlockPass: GPTQ), on a checkpoint
+(calibrate_layerwise) or on a model already in memory (calibrate_blockwise).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +31,11 @@ from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
 
-class _Captured(Exception):
+# The arguments a block receives, one (args, kwargs) per calibration batch.
+Captured = list[tuple[tuple, dict]]
+
+
+class _CaptureDone(Exception):
     """Raised by the capture hook to stop the forward once the first block's inputs are recorded."""
 
 
@@ -44,6 +51,19 @@ def _load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: Sha
     model.load_state_dict(sd, strict=False, assign=True)
 
 
+class BlockPass(Protocol):
+    """Work done inside each transformer block of a block-by-block run (algorithms/ builds these: GPTQ
+    accumulates Hessians and rounds the block's weights). `hooks` runs before the block's observing
+    forward and returns the hook handles to remove after it; `after` gets the block's outputs of that
+    forward and returns what the next block receives (the same outputs, or the block run again on
+    `captured` through `rerun` once its weights changed)."""
+
+    def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]: ...
+
+    def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
+              rerun: Callable[[nn.Module, Captured], Captured]) -> Captured: ...  # fmt: skip
+
+
 def calibrate_layerwise(
     model_dir: Path,
     config: dict[str, Any],
@@ -54,13 +74,57 @@ def calibrate_layerwise(
     observer: str = "max",
     kv_cache: bool = False,
     progress: Any = None,
+    block_pass: BlockPass | None = None,
 ) -> tuple[CalibrationResult, nn.Module]:
     """The results `calibrate` gives on the whole model with every batch run (no early stop: the
     stop rule needs every layer's amax after each batch, and here block i sees batch k long after
-    block 0 did); returns (the result, the skeleton)."""
-    started = time.perf_counter()
+    block 0 did); returns (the result, the skeleton). block_pass: more work inside each block."""
     model, prefix, blocks = _skeleton(model_dir, config, ckpt, linear_names)
     outside = [n for n in ckpt.tensors if not n.startswith(prefix + ".")]
+    with ShardReader() as reader:
+        _load_into(model, ckpt, outside, reader)
+
+        def load(i: int) -> None:
+            own = f"{prefix}.{i}."
+            _load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
+
+        result = _walk(model, prefix, blocks, batches, linear_names, observer=observer, kv_cache=kv_cache,
+                       progress=progress, block_pass=block_pass, load=load, drop=lambda b: b.to("meta"))  # fmt: skip
+    return result, model
+
+
+def calibrate_blockwise(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    linear_names: Sequence[str],
+    *,
+    observer: str = "max",
+    kv_cache: bool = False,
+    progress: Any = None,
+    block_pass: BlockPass | None = None,
+) -> CalibrationResult:
+    """calibrate_layerwise on a model already in memory (nothing loaded or dropped): the run a
+    BlockPass needs on a live model (mixprec.quantize_model_ with an algorithm)."""
+    prefix, blocks = _block_list(model, getattr(getattr(model, "config", None), "num_hidden_layers", None))
+    stray = [n for n in linear_names if not n.startswith(prefix + ".")]
+    if stray:
+        raise MixprecError(f"block-by-block calibration observes Linears inside {prefix} only; also asked: {stray[:3]}")
+    was_training = model.training
+    model.eval()
+    try:
+        return _walk(model, prefix, list(blocks), batches, linear_names, observer=observer, kv_cache=kv_cache,
+                     progress=progress, block_pass=block_pass)  # fmt: skip
+    finally:
+        model.train(was_training)
+
+
+def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: Sequence[torch.Tensor],
+          linear_names: Sequence[str], *, observer: str, kv_cache: bool, progress: Any,
+          block_pass: BlockPass | None, load: Callable[[int], None] | None = None,
+          drop: Callable[[nn.Module], Any] | None = None) -> CalibrationResult:  # fmt: skip
+    """Capture the first block's inputs, then per block: load it, run it with the observers' (and
+    the pass's) hooks on, let the pass work on it, drop it; the outputs feed the next block."""
+    started = time.perf_counter()
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
     undo = kv_attention_patch(model, kv_obs) if kv_cache else None
@@ -69,8 +133,7 @@ def calibrate_layerwise(
             "--kv-cache fp8 needs a transformers attention model (key/value states to observe)"
         )
     try:
-        with ShardReader() as reader, torch.no_grad(), contextlib.ExitStack() as fp32_gemms:
-            _load_into(model, ckpt, outside, reader)
+        with torch.no_grad(), contextlib.ExitStack() as fp32_gemms:
             # GEMMs in fp32 rounded to the model dtype on CPUs without fast bf16, as in `calibrate` (decided
             # now that the parts outside the blocks, the embeddings first, are on the CPU)
             fp32_gemms.enter_context(gemms_in_fp32(model))
@@ -78,21 +141,33 @@ def calibrate_layerwise(
             modules = dict(model.named_modules())
             for i, block in enumerate(blocks):
                 own = f"{prefix}.{i}."
-                _load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
+                if load is not None:
+                    load(i)
                 handles = [
                     modules[n].register_forward_pre_hook(_observing(observers[n]))
                     for n in linear_names
                     if n.startswith(own)
                 ]
-                captured = _run_block(block, captured)
+                if block_pass is not None:
+                    handles += block_pass.hooks(own, modules)
+                outputs = _run_block(block, captured)
                 for h in handles:
                     h.remove()
-                block.to("meta")  # drop this block's weights
+                if block_pass is not None:
+                    outputs = block_pass.after(own, block, captured, outputs, _run_block)
+                captured = outputs
+                if drop is not None:
+                    drop(block)  # this block's weights
                 if progress is not None:
                     progress()
     finally:
         if undo is not None:
             undo()
+    return _result(observers, kv_obs, batches, started)
+
+
+def _result(observers: dict[str, Observer], kv_obs: dict[int, tuple[Observer, Observer]],
+            batches: Sequence[torch.Tensor], started: float) -> CalibrationResult:  # fmt: skip
     amax = {n: o.amax() for n, o in observers.items()}
     for n, a in amax.items():
         if a == 0:
@@ -106,7 +181,7 @@ def calibrate_layerwise(
         reason=f"cap: layer-by-layer calibration runs every available sample ({samples}); it does not stop early",
         clipped=None, max_change=None, seconds=round(time.perf_counter() - started, 3),
     )  # fmt: skip
-    return CalibrationResult(amax, kv, run), model
+    return CalibrationResult(amax, kv, run)
 
 
 def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_names: Sequence[str]) -> tuple[nn.Module, str, list[nn.Module]]:  # fmt: skip
@@ -130,18 +205,18 @@ def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_
     return model, prefix, blocks
 
 
-def _block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Tensor]) -> list[tuple[tuple, dict]]:  # fmt: skip
+def _block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Tensor]) -> Captured:
     """The arguments the first block receives for each batch (the forward stops there)."""
     captured: list[tuple[tuple, dict]] = []
 
     def capture(_mod, args, kwargs):
         captured.append((args, kwargs))
-        raise _Captured
+        raise _CaptureDone
 
     hook = first.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         for b in batches:
-            with contextlib.suppress(_Captured):
+            with contextlib.suppress(_CaptureDone):
                 model(input_ids=b, use_cache=False)
     finally:
         hook.remove()
@@ -157,7 +232,7 @@ def _observing(observer: Observer):
     return hook_fn
 
 
-def _run_block(block: nn.Module, captured: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+def _run_block(block: nn.Module, captured: Captured) -> Captured:
     """Run `block` on each captured input: the next block's inputs (its hidden states, the rest as given)."""
     nxt = []
     for args, kwargs in captured:
@@ -167,4 +242,4 @@ def _run_block(block: nn.Module, captured: list[tuple[tuple, dict]]) -> list[tup
     return nxt
 
 
-__all__ = ["MaxObserver", "calibrate_layerwise"]
+__all__ = ["BlockPass", "Captured", "MaxObserver", "calibrate_blockwise", "calibrate_layerwise"]

@@ -27,8 +27,10 @@ import torch
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs
+from mixprec.inference.checkpoint.algorithm_file import ALGORITHM_FILE, algorithm_document, write_algorithm_file
 from mixprec.inference.checkpoint.layout import K_SCALE, V_SCALE, planned_tensors
 from mixprec.inference.checkpoint.linear_weights import LinearWeights, find_linear_weights
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, publish
@@ -73,6 +75,7 @@ def quantize_checkpoint(
     layer_by_layer: bool | None = None,
     progress: bool = True,
     strict: bool = False,
+    algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
 ) -> ConversionReport:
     """Quantize a local Hugging Face safetensors checkpoint to FP8 or FP4 (the scheme's format); write
     it to output_dir atomically. Only what the serving engines accept is written
@@ -86,12 +89,15 @@ def quantize_checkpoint(
     decide by memory (None: when the checkpoint exceeds half of the available RAM). scheme as a
     mapping {Linear name: scheme}: a mixed-precision checkpoint (`--scheme auto`), one
     compressed-tensors config group per scheme; every Linear it does not name stays in high precision.
+    algorithm: what rounds the weights beyond round to nearest ("gptq", or an AlgorithmSpec with its
+    parameters; docs/algorithms.md); it learns from calib_data and is recorded in the report's
+    `algorithm` and the checkpoint's mixprec_algorithm.json.
     """
     job = QuantizeJob.build(
         model_dir, output_dir, scheme, ignore=ignore, default_ignore=default_ignore, kv_cache=kv_cache,
         max_shard_size=max_shard_size, calib_data=calib_data, calib_samples=calib_samples,
         calib_seq_len=calib_seq_len, observer=observer, calib_stop=calib_stop, format=format, force=force,
-        layer_by_layer=layer_by_layer, progress=progress, strict=strict,
+        layer_by_layer=layer_by_layer, progress=progress, strict=strict, algorithm=algorithm,
     )  # fmt: skip
     source = resolve(job)
     report = ConversionReport(
@@ -186,7 +192,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
     stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
-                        *nvfp4_groups(ckpt, selection.targets, schemes))  # fmt: skip
+                        *nvfp4_groups(ckpt, selection.targets, schemes), calibration.prequantized)  # fmt: skip
 
     def write_tensors(writer: PlannedShardWriter) -> None:
         stream_tensors(ckpt, writer, stream, layers, report, job.progress)
@@ -205,7 +211,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
         job.output_dir, force=job.force, planned=plan.tensors, max_shard_size=job.max_shard_bytes,
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
         config=lambda: _output_config(job, source.config, selection),
-        side_files=lambda tmp: copy_side_files(job.model_dir, tmp, skip=set()), scales=scales,
+        side_files=lambda tmp: _side_files(job, tmp, calibration), scales=scales,
     )  # fmt: skip
     report.weight_bytes_after = sum(t.nbytes for t in plan.tensors)
     for name, (kind, why) in selection.kept.items():
@@ -217,6 +223,17 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
         report.add_skipped(name, kind, numel, why, role=role)
     report.notes.append(f"copied {', '.join(copied) or 'no side files'}")
     return report
+
+
+def _side_files(job: QuantizeJob, tmp: Path, calibration: Calibration) -> list[str]:
+    """The input's side files, and the algorithm's record when one ran."""
+    from mixprec import __version__
+
+    copied = copy_side_files(job.model_dir, tmp, skip={ALGORITHM_FILE})
+    if calibration.algorithm is not None:
+        doc = algorithm_document({"scheme": job.scheme.name, **calibration.algorithm}, f"mixprec {__version__}")
+        copied.append(write_algorithm_file(tmp, doc))
+    return copied
 
 
 def _output_config(job: QuantizeJob, config: dict[str, Any], selection: Selection) -> dict[str, Any]:

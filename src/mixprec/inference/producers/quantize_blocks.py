@@ -19,6 +19,8 @@ from mixprec.inference.checkpoint.block_tensors import fused_global_scales, inpu
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.inference.checkpoint.scales_file import compact_entry
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
+from mixprec.quantization import QuantizationStats
+from mixprec.scaling import QuantizedTensor
 from mixprec.select import fused_shards
 
 
@@ -93,9 +95,15 @@ def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=
     dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
     data = payload[: w.numel()].view(dtype).view(shape)
     q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)
+    return (*block_outputs(q, stats, info, module, shape, sch, in_amax), payload)
+
+
+def block_outputs(q: QuantizedTensor, stats: QuantizationStats, info, module: str, shape: tuple[int, int],
+                  sch: InferenceScheme, in_amax: float | None) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:  # fmt: skip
+    """A block-format weight's output tensors in plan order and its report entry, from its quantized
+    form (rounded here, or by an algorithm: producers/quantize_stream.py)."""
     in_global = input_global_scale(in_amax, info.dtype) if sch.input_global else None
-    out = layer_tensors(module, q, sch, in_global)
-    return out, compact_entry(q, sch, stats, shape, in_global, in_amax), payload
+    return layer_tensors(module, q, sch, in_global), compact_entry(q, sch, stats, shape, in_global, in_amax)
 
 
-__all__ = ["nvfp4_groups", "quantize_block_task", "quantize_group_task"]
+__all__ = ["block_outputs", "nvfp4_groups", "quantize_block_task", "quantize_group_task"]

@@ -1,14 +1,17 @@
-"""The calibration step of an offline quantization (static schemes, --kv-cache fp8): load the model
-(whole, or one transformer block at a time when it would not fit), observe the inputs of the Linears
-that need a static scale and the KV cache, free the model.
+"""The calibration step of an offline quantization (static schemes, --kv-cache fp8, --algorithm):
+load the model (whole, or one transformer block at a time when it would not fit), observe the inputs
+of the Linears that need a static scale and the KV cache, free the model. With GPTQ the run is always
+block by block: in each block the Hessians accumulate beside the observers, the block's Linears are
+rounded (algorithms/gptq_pass.py) and their results kept for the writer.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +19,7 @@ import torch
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.hf import load_model, load_tokenizer
+from mixprec.inference.algorithms.gptq_pass import GptqPass
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.calibration.layerwise import calibrate_layerwise
 from mixprec.inference.calibration.run import CalibrationResult, NothingObserved, calibrate
@@ -23,17 +27,21 @@ from mixprec.inference.checkpoint.linear_weights import LinearWeights
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source
 from mixprec.inference.runtime.experts import unfuse_for_calibration
 from mixprec.progress import ProgressBars, progress_bar
+from mixprec.scaling import QuantizedTensor
 
 
 @dataclass(frozen=True)
 class Calibration:
     """What calibration found: input amax per Linear, KV amax per attention layer (and its module
-    name), and what ran and why it stopped (None when nothing was calibrated)."""
+    name), and what ran and why it stopped (None when nothing was calibrated); with an algorithm, the
+    Linears it rounded ({name: what the writer stores}) and its record (the report's `algorithm`)."""
 
     input_amax: dict[str, float]
     kv_amax: dict[int, tuple[float, float]]
     kv_names: dict[int, str]
     info: dict[str, Any] | None
+    prequantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    algorithm: dict[str, Any] | None = None
 
 
 NOT_CALIBRATED = Calibration({}, {}, {}, None)
@@ -50,25 +58,85 @@ def calibrate_job(
     layer_by_layer = job.layer_by_layer
     if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
         layer_by_layer = source.ckpt.total_bytes > 0.5 * _available_memory()
-    if layer_by_layer:
+    gptq = _gptq_pass(job, source, selection)
+    if layer_by_layer or gptq is not None:
         n_blocks = int(source.config.get("num_hidden_layers") or 0)
-        with progress_bar(job.progress, "calibrating layer by layer", n_blocks or None) as advance:
+        title = "GPTQ, block by block" if gptq is not None else "calibrating layer by layer"
+        with progress_bar(job.progress, title, n_blocks or None) as advance:
             result, model = calibrate_layerwise(
                 job.model_dir, source.config, source.ckpt, batches, names, observer=job.observer,
-                kv_cache=job.kv_cache, progress=advance,
+                kv_cache=job.kv_cache, progress=advance, block_pass=gptq,
             )  # fmt: skip
         input_amax = result.input_amax
     else:
         result, model, input_amax = _calibrate_whole_model(job, selection.lw, batches, names)
-    info = {"data": str(job.calib_data), "seq_len": int(batches[0].shape[1]), "observer": job.observer,
-            "samples_requested": job.calib_samples, **result.run.to_dict()}  # fmt: skip
-    info["layer_by_layer"] = bool(layer_by_layer)
-    report.calibration = info
-    report.notes.append(f"calibration: {result.run.samples} samples, {result.run.reason}")
+    info = None
+    if names or job.kv_cache:
+        info = {"data": str(job.calib_data), "seq_len": int(batches[0].shape[1]), "observer": job.observer,
+                "samples_requested": job.calib_samples, **result.run.to_dict()}  # fmt: skip
+        info["layer_by_layer"] = bool(layer_by_layer or gptq is not None)
+        report.calibration = info
+        report.notes.append(f"calibration: {result.run.samples} samples, {result.run.reason}")
     kv_names = {i: _attention_module_name(model, i) for i in result.kv_amax}
     del model
     gc.collect()
-    return Calibration(input_amax, result.kv_amax, kv_names, info)
+    if gptq is None:
+        return Calibration(input_amax, result.kv_amax, kv_names, info)
+    record = _gptq_record(job, selection, gptq, batches, result.run.seconds, report)
+    return Calibration(input_amax, result.kv_amax, kv_names, info, dict(gptq.results), record)
+
+
+def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPass | None:
+    """The GPTQ pass of the job's targets (None without --algorithm gptq); MixprecError before any
+    work for what it does not cover."""
+    if not job.algorithm.uses_gptq or not selection.targets:
+        return None
+    experts = [n for n in selection.targets if n in selection.lw.experts]
+    if experts:
+        raise MixprecError(
+            f"--algorithm gptq covers dense Linears only; {len(experts)} MoE expert weight(s) are targets "
+            f"(e.g. {experts[0]!r}): keep them in high precision with --ignore, or use rtn"
+        )
+    dtypes = {source.ckpt.tensors[f"{n}.weight"].dtype for n in selection.targets}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype)
+
+
+def _gptq_record(job: QuantizeJob, selection: Selection, gptq: GptqPass, batches: list[torch.Tensor],
+                 seconds: float, report: ConversionReport) -> dict[str, Any]:  # fmt: skip
+    """The report's `algorithm` (and the side file's body); warnings for Hessians that saw fewer
+    tokens than they have inputs and for targets GPTQ did not reach (rounded to nearest)."""
+    if gptq.short:
+        name, tokens, inputs = max(gptq.short, key=lambda t: t[2] - t[1])
+        report.warn(
+            f"GPTQ: {len(gptq.short)} Hessian(s) saw fewer calibration tokens than they have inputs (e.g. {name}: "
+            f"{tokens} tokens for {inputs} inputs): the dampening carries them; give more --calib-samples "
+            "or a longer --calib-seq-len",
+            depth=2,
+        )
+    missed = [n for n in selection.targets if n not in gptq.results]
+    if missed:
+        report.warn(f"GPTQ did not reach {len(missed)} Linear(s) outside the transformer blocks (e.g. "
+                    f"{missed[0]!r}): they are rounded to nearest", depth=2)  # fmt: skip
+    digest = hashlib.sha256()
+    for b in batches:
+        digest.update(b.to(torch.int64).numpy().tobytes())
+    record = {
+        **job.algorithm.to_dict(), "data": str(job.calib_data), "data_sha256": digest.hexdigest(),
+        "samples": sum(len(b) for b in batches), "seq_len": int(batches[0].shape[1]),
+        "tokens": sum(b.numel() for b in batches), "propagation": _PROPAGATION[job.algorithm.gptq.sequential],
+        "seconds": seconds, "layers": gptq.layers,
+    }  # fmt: skip
+    report.algorithm = record
+    report.notes.append(f"GPTQ: {len(gptq.results)} Linears on {record['tokens']} calibration tokens")
+    return record
+
+
+_PROPAGATION = {
+    True: "sequential: each block calibrated on the outputs of the blocks before it with their weights "
+    "rounded (activations not quantized)",
+    False: "parallel: each block calibrated on the outputs of the unquantized blocks before it",
+}
 
 
 def _calibrate_whole_model(

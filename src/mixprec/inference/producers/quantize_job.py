@@ -12,6 +12,7 @@ from typing import Any
 
 from mixprec.errors import MixprecError
 from mixprec.hf import read_config
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts
 from mixprec.inference.calibration.observers import make_observer
 from mixprec.inference.calibration.run import StopRule
@@ -57,6 +58,7 @@ class QuantizeJob:
     layer_by_layer: bool | None
     progress: bool
     strict: bool
+    algorithm: AlgorithmSpec = AlgorithmSpec()
 
     @classmethod
     def build(cls, model_dir: str | Path, output_dir: str | Path, scheme: Any, *, ignore: Sequence[str] | None,
@@ -78,13 +80,15 @@ class QuantizeJob:
             configs.hf_fp8_quantization_config(sch, [])  # refuses non-block schemes
             if kv_cache:
                 raise MixprecError("--kv-cache fp8 scales are written in the compressed-tensors layout only")
+        rest["algorithm"] = AlgorithmSpec.parse(rest.get("algorithm"))
         job = cls(Path(model_dir), Path(output_dir), sch, assignment, resolve_ignore(ignore, defaults=default_ignore),
                   kv_cache=bool(kv_cache), max_shard_bytes=parse_size(max_shard_size), **rest)  # fmt: skip
         if job.calibrates:
             calibrated = job.calibrated_schemes
             if job.calib_data is None:
-                raise MixprecError(f"{'scheme ' + calibrated[0].name if calibrated else '--kv-cache fp8'} needs "
-                                   "--calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")  # fmt: skip
+                who = (f"--algorithm {job.algorithm.label}" if job.algorithm.needs_data
+                       else f"scheme {calibrated[0].name}" if calibrated else "--kv-cache fp8")  # fmt: skip
+                raise MixprecError(f"{who} needs --calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")
             make_observer(job.observer)  # fail on a bad name before any work
         return job
 
@@ -96,7 +100,7 @@ class QuantizeJob:
 
     @property
     def calibrates(self) -> bool:
-        return bool(self.calibrated_schemes) or self.kv_cache
+        return bool(self.calibrated_schemes) or self.kv_cache or self.algorithm.needs_data
 
 
 @dataclass(frozen=True)

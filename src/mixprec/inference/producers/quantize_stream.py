@@ -13,7 +13,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,10 +24,11 @@ from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, PlannedShardWriter, ShardReader
 from mixprec.inference.checkpoint.scales_file import layer_entry
-from mixprec.inference.producers.quantize_blocks import quantize_block_task, quantize_group_task
+from mixprec.inference.producers.quantize_blocks import block_outputs, quantize_block_task, quantize_group_task
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
 from mixprec.progress import progress_bar
-from mixprec.scaling import compute_scale
+from mixprec.quantization import QuantizationStats
+from mixprec.scaling import QuantizedTensor, compute_scale
 
 # Bytes of a tensor written unchanged that are read, checked and written at a time.
 COPY_CHUNK_BYTES = 16 << 20
@@ -36,8 +37,9 @@ COPY_CHUNK_BYTES = 16 << 20
 @dataclass(frozen=True)
 class StreamPlan:
     """What streaming needs to know: the Linears quantized ({name: (out, in)}) and their schemes, the
-    checkpoint layout they are written in, calibrated input amax, and NVFP4's weights grouped by
-    shared global scale with the dtype it is computed in (quantize_blocks.nvfp4_groups)."""
+    checkpoint layout they are written in, calibrated input amax, NVFP4's weights grouped by shared
+    global scale with the dtype it is computed in (quantize_blocks.nvfp4_groups), and the weights an
+    algorithm rounded."""
 
     targets: dict[str, tuple[int, int]]
     schemes: dict[str, InferenceScheme]
@@ -45,6 +47,8 @@ class StreamPlan:
     input_amax: dict[str, float]
     nvfp4_groups: dict[str, tuple[str, ...]]
     global_dtype: torch.dtype = torch.float32
+    # Linears an algorithm (GPTQ) has already rounded: written as they are, the weight read for statistics
+    prequantized: dict[str, QuantizedTensor] = field(default_factory=dict)
 
 
 def stream_tensors(
@@ -84,7 +88,8 @@ def stream_tensors(
                     out, entry, payload = fut.result()[module]
                     for name, tensor in out:
                         writer.write(name, tensor)
-                    queue.out_pool.release(payload)
+                    if payload is not None:
+                        queue.out_pool.release(payload)
                     layers[module] = entry
                     family = plan.schemes[module].family
                     report.add_quantized_linear(module, "Linear", info.nbytes // info.dtype.itemsize, entry, family, family)  # fmt: skip
@@ -122,6 +127,14 @@ class _TaskQueue:
             if module not in p.targets:
                 self.pending.append((info, None, None))
                 continue
+            if module in p.prequantized:
+                fut = self.pool.submit(
+                    _prequantized_task, self.reader, info, module, p.targets[module], p.schemes[module],
+                    p.layout, p.input_amax.get(module), p.prequantized[module], self.in_pool,
+                )  # fmt: skip
+                self.pending.append((info, module, fut))
+                self.in_flight += 1
+                return True
             group = p.nvfp4_groups.get(module)
             if group in self.groups:  # a later shard of a group already submitted
                 self.pending.append((info, module, self.groups[group]))
@@ -216,6 +229,29 @@ def _quantize_task(
         q, stats = quantize_weight(w, sch, name=info.name, out=data)
     finally:
         in_pool.release(buf)
+    return {module: (*_fp8_outputs(q, stats, module, shape, sch, layout, in_amax), payload)}
+
+
+def _prequantized_task(reader: ShardReader, info, module: str, shape: tuple[int, int], sch: InferenceScheme,
+                       layout: str, in_amax: float | None, q: QuantizedTensor, in_pool: _BufferPool):  # fmt: skip
+    """A weight an algorithm rounded: its tensors as given; the original weight is read for the
+    statistics (amax, and the relative error of the rounded weight against it)."""
+    buf = in_pool.get()
+    try:
+        w = reader.get(info, out=buf).float()
+    finally:
+        in_pool.release(buf)
+    check_finite(w, info.name)
+    err = torch.linalg.vector_norm(w - q.dequantize()) / torch.linalg.vector_norm(w).clamp_min(1e-30)
+    stats = QuantizationStats(float(w.abs().amax()), float(err))
+    if sch.is_fp8:
+        return {module: (*_fp8_outputs(q, stats, module, shape, sch, layout, in_amax), None)}
+    return {module: (*block_outputs(q, stats, info, module, shape, sch, in_amax), None)}
+
+
+def _fp8_outputs(q: QuantizedTensor, stats: QuantizationStats, module: str, shape: tuple[int, int],
+                 sch: InferenceScheme, layout: str, in_amax: float | None):  # fmt: skip
+    """An FP8 weight's output tensors in plan order and its scales-file entry."""
     # named as the layout table planned them: payload, weight scale, input scale
     names = [name for name, _, _ in planned_tensors(module, shape, sch, layout)]
     out = [(names[0], q.data), (names[1], q.scale.reshape(sch.scale_shape(*shape)))]
@@ -229,7 +265,7 @@ def _quantize_task(
         input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
         input_granularity=sch.input_granularity.name,
     )  # fmt: skip
-    return {module: (out, entry, payload)}
+    return out, entry
 
 
 __all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "stream_tensors"]

@@ -1,0 +1,137 @@
+"""GPTQ over a whole model, one transformer block at a time (a BlockPass of the calibration walk,
+calibration/layerwise.py): while the block runs on its calibration inputs, the Hessian of every
+Linear's input accumulates (one Hessian for the Linears that read the same input: the shards of a
+fused q/k/v or gate/up); then each Linear is GPTQ-rounded with its scheme's own scale rule, and with
+sequential propagation the block runs again, its weights rounded, to give the next block its inputs.
+
+Scales shared by a fused GEMM are fixed before the solve, as the writer and vLLM would share them:
+NVFP4's weight global scale (from the shards' largest amax, in the weights' dtype, as the RTN writer
+computes it: block_tensors.fused_global_scales) and fp8-static's per-tensor weight scale (the shards'
+largest, which vLLM re-quantizes fused shards to).
+
+Per Linear it records the relative calibration output error of round to nearest and of GPTQ, both
+measured with the Hessian (tr(E H E^T) / tr(W H W^T), E the weight error), the time, the dampening,
+how many elements the updates pushed past their block's range (clipped), dead inputs and the token
+count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize
+from mixprec.inference.algorithms.spec import GptqParams
+from mixprec.inference.calibration.layerwise import Captured
+from mixprec.inference.checkpoint.block_tensors import fused_global_scales
+from mixprec.inference.schemes import InferenceScheme
+from mixprec.quantization import quantize
+from mixprec.scaling import QuantizedTensor, compute_scale
+from mixprec.select import fused_shards
+
+
+def input_groups(names: list[str]) -> list[tuple[str, ...]]:
+    """The Linears grouped by the input they read: a fused GEMM's shards together (in the engine's
+    order), every other Linear alone; in the order of `names`."""
+    shared = {m: tuple(ms) for ms in fused_shards(names).values() for m in ms}
+    groups = dict.fromkeys(shared.get(n, (n,)) for n in names)
+    return list(groups)
+
+
+class GptqPass:
+    """The BlockPass that GPTQ-rounds every Linear of `schemes` ({name: scheme}); `results` holds
+    each one's QuantizedTensor (what the writer stores), `layers` its record, `warnings` what the
+    caller should say (too few tokens for a Hessian)."""
+
+    def __init__(self, schemes: Mapping[str, InferenceScheme], params: GptqParams, weight_dtype: torch.dtype):
+        self.schemes = dict(schemes)
+        self.params = params
+        self.weight_dtype = weight_dtype
+        self.groups = input_groups(list(self.schemes))
+        self.results: dict[str, QuantizedTensor] = {}
+        self.layers: dict[str, dict[str, Any]] = {}
+        self.short: list[tuple[str, int, int]] = []  # (Linear, tokens, inputs) with tokens < inputs
+        self._hessians: dict[tuple[str, ...], HessianAccumulator] = {}
+
+    def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]:
+        handles = []
+        for group in self.groups:
+            if not group[0].startswith(own):
+                continue
+            first = modules[group[0]]
+            acc = HessianAccumulator(first.in_features)
+            self._hessians[group] = acc
+
+            def add(_m, args, _acc=acc):
+                _acc.add(args[0])
+
+            handles.append(first.register_forward_pre_hook(add))
+        return handles
+
+    def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
+              rerun: Callable[[nn.Module, Captured], Captured]) -> Captured:  # fmt: skip
+        modules = {f"{own}{n}": m for n, m in block.named_modules() if n}
+        for group, acc in self._hessians.items():
+            hessian = acc.finish()
+            if acc.rows < acc.in_features:
+                self.short.append((group[0], acc.rows, acc.in_features))
+            self._round_group(group, hessian, acc.rows, modules)
+        self._hessians.clear()
+        return rerun(block, captured) if self.params.sequential else outputs
+
+    def _round_group(self, group: tuple[str, ...], hessian: torch.Tensor, rows: int,
+                     modules: dict[str, nn.Module]) -> None:  # fmt: skip
+        weights = {m: modules[m].weight for m in group}
+        amax = {m: float(w.detach().abs().amax()) for m, w in weights.items()}
+        shared = _shared_scales(group, amax, self.schemes, self.weight_dtype)
+        for m in group:
+            sch, w = self.schemes[m], weights[m]
+            started = time.perf_counter()
+            scale, global_scale = shared.get(m, (None, None))
+            result = gptq_quantize(
+                w, hessian, sch.fmt.name, sch.weight_granularity, damp=self.params.damp, block=self.params.block,
+                act_order=self.params.act_order, scale=scale, global_scale=global_scale, name=f"{m}.weight",
+            )  # fmt: skip
+            seconds = time.perf_counter() - started
+            q = result.quantized
+            rtn = quantize(w.detach().float(), sch.fmt, sch.weight_granularity, scale=scale, global_scale=global_scale)
+            self.results[m] = q
+            self.layers[m] = {
+                "output_error_rtn": _output_error(w, rtn.dequantize(), hessian),
+                "output_error": _output_error(w, q.dequantize(), hessian),
+                "seconds": round(seconds, 3), "damp": result.damp, "clipped": result.clipped,
+                "dead_inputs": result.dead_columns, "tokens": rows,
+            }  # fmt: skip
+            if self.params.sequential:
+                w.data = q.dequantize(w.dtype)
+
+
+def _shared_scales(group: tuple[str, ...], amax: dict[str, float], schemes: Mapping[str, InferenceScheme],
+                   dtype: torch.dtype) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:  # fmt: skip
+    """{Linear: (fixed per-tensor scale, NVFP4 global scale)} shared across a fused group."""
+    out: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+    nv = {m: a for m, a in amax.items() if schemes[m].weight_granularity.scale_format == "e4m3"}
+    for m, g in fused_global_scales(nv, dtype).items():
+        out[m] = (None, g)
+    per_tensor = [m for m in group if schemes[m].weight_granularity.name == "tensor"]
+    if per_tensor:
+        top = max(amax[m] for m in per_tensor)
+        for m in per_tensor:
+            out[m] = (compute_scale(top, schemes[m].fmt).reshape(1, 1), None)
+    return out
+
+
+def _output_error(weight: torch.Tensor, rounded: torch.Tensor, hessian: torch.Tensor) -> float:
+    """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration inputs X, from their Hessian."""
+    w = weight.detach().float()
+    e = w - rounded.float()
+    num = float(((e @ hessian) * e).sum())
+    den = float(((w @ hessian) * w).sum())
+    return num / den if den > 0 else 0.0
+
+
+__all__ = ["GptqPass", "input_groups"]

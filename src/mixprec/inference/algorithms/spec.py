@@ -1,0 +1,94 @@
+"""Which algorithms a quantization runs and with what parameters (`--algorithm gptq`, the API's
+`algorithm=`): parsed and checked before any work, recorded in the report and the checkpoint's side
+file.
+
+Whatever order the user writes, they run as: folds (model-wide transforms of the weights) ->
+activation / KV-cache calibration (observed after the folds) -> GPTQ (the rounding itself). `rtn`
+(round to nearest, every scheme's own rule) is what runs when no algorithm is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mixprec.errors import MixprecError
+
+RTN = "rtn"
+GPTQ = "gptq"
+# Each name with its place in the run order (lower runs first).
+RUN_ORDER: dict[str, int] = {RTN: 90, GPTQ: 90}
+ALGORITHMS = tuple(RUN_ORDER)
+
+
+@dataclass(frozen=True)
+class GptqParams:
+    """damp: added to the Hessian's diagonal, as a fraction of its mean (1 %: llm-compressor's
+    dampening_frac); block: columns per lazy update; act_order: columns by decreasing Hessian
+    diagonal, group scales fixed up front (llm-compressor's actorder="static"); sequential: block l+1
+    is calibrated on the outputs of block l with its weights already rounded (activations are not
+    quantized on the way, as in llm-compressor's sequential pipeline) — False: on the original outputs."""
+
+    damp: float = 0.01
+    block: int = 128
+    act_order: bool = True
+    sequential: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.damp <= 10.0:
+            raise MixprecError(f"GPTQ dampening must be between 0 and 10 (a fraction of the mean diagonal), got {self.damp}")
+        if self.block < 1:
+            raise MixprecError(f"GPTQ block must be at least 1 column, got {self.block}")
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """The algorithms of one quantization in run order (empty: round to nearest) and their parameters."""
+
+    names: tuple[str, ...] = ()
+    gptq: GptqParams = field(default_factory=GptqParams)
+
+    @classmethod
+    def parse(cls, algorithm: str | Sequence[str] | AlgorithmSpec | None, **gptq: Any) -> AlgorithmSpec:
+        """From "gptq", "rtn", a comma list or a sequence of names (None: rtn); `gptq`: GptqParams
+        fields. MixprecError for an unknown or repeated name, or rtn named beside another algorithm."""
+        if isinstance(algorithm, AlgorithmSpec):
+            return algorithm
+        if algorithm is None:
+            words: list[str] = []
+        elif isinstance(algorithm, str):
+            words = [w.strip().lower() for w in algorithm.split(",") if w.strip()]
+        else:
+            words = [str(w).strip().lower() for w in algorithm]
+        unknown = [w for w in words if w not in RUN_ORDER]
+        if unknown:
+            raise MixprecError(f"unknown algorithm {unknown[0]!r}; known: {', '.join(ALGORITHMS)}")
+        if len(set(words)) != len(words):
+            raise MixprecError(f"an algorithm is named twice in {','.join(words)}")
+        if RTN in words and len(words) > 1:
+            raise MixprecError(f"'rtn' is round to nearest alone; it cannot run beside {', '.join(w for w in words if w != RTN)}")
+        names = tuple(sorted((w for w in words if w != RTN), key=lambda w: RUN_ORDER[w]))
+        return cls(names, GptqParams(**{k: v for k, v in gptq.items() if v is not None}))
+
+    @property
+    def uses_gptq(self) -> bool:
+        return GPTQ in self.names
+
+    @property
+    def needs_data(self) -> bool:
+        """Every algorithm but round to nearest learns from calibration data."""
+        return bool(self.names)
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.names) or RTN
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"names": list(self.names) or [RTN]}
+        if self.uses_gptq:
+            out["gptq"] = asdict(self.gptq)
+        return out
+
+
+__all__ = ["ALGORITHMS", "GPTQ", "RTN", "RUN_ORDER", "AlgorithmSpec", "GptqParams"]
