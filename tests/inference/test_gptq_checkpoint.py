@@ -30,7 +30,9 @@ CALIB = dict(calib_samples=8, calib_seq_len=32)
 def _quantize(src, out, scheme, calib, algorithm="gptq", **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return quantize_checkpoint(src, out, scheme, calib_data=calib, algorithm=algorithm, progress=False, **CALIB, **kw)
+        return quantize_checkpoint(
+            src, out, scheme, calib_data=calib, algorithm=algorithm, progress=False, **CALIB, **kw
+        )
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,11 @@ def test_gptq_checkpoint_differs_from_rtn_and_records_itself(written, llama_dir,
     doc = read_algorithm_file(path)
     assert doc["kind"] == "mixprec-algorithm" and doc["names"] == ["gptq"] and doc["scheme"] == "nvfp4a16"
     assert doc["gptq"] == {"damp": 0.01, "block": 128, "act_order": True, "sequential": True}
-    assert doc["tokens"] == 256 and len(doc["data_sha256"]) == 64 and doc["layers"].keys() == report.algorithm["layers"].keys()
+    assert (
+        doc["tokens"] == 256
+        and len(doc["data_sha256"]) == 64
+        and doc["layers"].keys() == report.algorithm["layers"].keys()
+    )
     assert read_algorithm_file(rtn) is None
     cfg = json.loads((path / "config.json").read_text())["quantization_config"]
     assert "gptq" not in json.dumps(cfg)  # nothing new in the engines' config
@@ -111,18 +117,27 @@ def test_parallel_propagation_and_parameters_are_recorded(llama_dir, calib_file,
 
 
 def test_too_few_tokens_for_a_hessian_is_warned_with_the_figures(llama_dir, calib_file, tmp_path):
-    with pytest.warns(UserWarning, match=r"fewer calibration tokens than they have inputs \(e\.g\. .*down_proj: 32 tokens for 256"):
+    with pytest.warns(
+        UserWarning,
+        match=r"fewer calibration tokens than they have inputs \(e\.g\. .*down_proj: 32 tokens for 256",
+    ):
         quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-dynamic", calib_data=calib_file, algorithm="gptq",
                             calib_samples=1, calib_seq_len=32, progress=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("algorithm", "message"),
-    [("awqq", "unknown algorithm 'awqq'"), ("rtn,gptq", "'rtn' is round to nearest alone"), ("gptq,gptq", "named twice")],
+    [
+        ("awqq", "unknown algorithm 'awqq'"),
+        ("rtn,gptq", "'rtn' is round to nearest alone"),
+        ("gptq,gptq", "named twice"),
+    ],
 )
 def test_bad_algorithm_refused_before_any_work(llama_dir, calib_file, tmp_path, algorithm, message):
     with pytest.raises(MixprecError, match=message):
-        quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-dynamic", calib_data=calib_file, algorithm=algorithm)
+        quantize_checkpoint(
+            llama_dir, tmp_path / "q", "fp8-dynamic", calib_data=calib_file, algorithm=algorithm
+        )
     assert not (tmp_path / "q").exists()
 
 
@@ -139,7 +154,9 @@ def test_bad_gptq_parameters(kw, message):
 
 
 def test_input_groups_put_fused_shards_together():
-    names = [f"m.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [f"m.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    names = [f"m.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [
+        f"m.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")
+    ]
     groups = input_groups(names)
     assert groups[0] == tuple(names[:3]) and groups[1] == (names[3],)
     assert groups[2] == tuple(names[4:6]) and groups[3] == (names[6],)
@@ -167,3 +184,31 @@ def test_writer_stores_gptq_rounding_as_given(llama_dir, calib_file, tmp_path):
     loaded = mixprec.load_quantized(path).get_submodule("model.layers.0.mlp.down_proj")
     assert torch.equal(loaded.dequantized_weight(torch.float32), expected.quantized.dequantize())
     assert (path / ALGORITHM_FILE).is_file()
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "fp8-static"])
+def test_online_gptq_equals_the_checkpoints_bit_for_bit(written, llama_dir, calib_file, scheme):
+    """mixprec.quantize_model_(..., algorithm="gptq") on the live model walks the same blocks on the same
+    tokens as quantize_checkpoint: the same payloads and scales."""
+    from mixprec.hf import load_tokenizer
+
+    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mixprec.quantize_model_(model, scheme, calib_data=calib_file, tokenizer=load_tokenizer(llama_dir),
+                                         algorithm="gptq", **CALIB)  # fmt: skip
+    offline = mixprec.load_quantized(written[scheme][1])
+    assert report.algorithm["layers"].keys() == written[scheme][0].algorithm["layers"].keys()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            theirs = offline.get_submodule(name)
+            assert torch.equal(m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)), name
+
+
+def test_online_gptq_refuses_what_it_cannot_use(llama_dir):
+    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    with pytest.raises(MixprecError, match="needs calibration data"):
+        mixprec.quantize_model_(model, "fp8-dynamic", algorithm="gptq")
+    with pytest.raises(MixprecError, match="token-id tensors"):
+        mixprec.quantize_model_(model, "fp8-dynamic", calib_data=[torch.randn(2, 8, 128)], algorithm="gptq")
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())

@@ -210,7 +210,9 @@ def _perplexity(model: str, data: str, samples: int, seq_len: int):
 
 def run_auto(args: argparse.Namespace) -> int:
     if algorithm_spec(args).names:
-        raise MixprecError("--scheme auto chooses among round-to-nearest candidates; --algorithm takes one fixed scheme")
+        raise MixprecError(
+            "--scheme auto chooses among round-to-nearest candidates; --algorithm takes one fixed scheme"
+        )
     if args.format != "compressed-tensors":
         raise MixprecError("--scheme auto writes the compressed-tensors layout only")
     if args.calib_data is None:
@@ -302,7 +304,9 @@ def run(args: argparse.Namespace) -> int:
 def _algorithm_line(record: dict) -> str:
     """One line: what ran, and the calibration output error it reached against round to nearest."""
     layers = record["layers"].values()
-    ratio = statistics.median(r["output_error"] / r["output_error_rtn"] for r in layers if r["output_error_rtn"] > 0)
+    ratio = statistics.median(
+        r["output_error"] / r["output_error_rtn"] for r in layers if r["output_error_rtn"] > 0
+    )
     return (
         f"{'+'.join(record['names'])}: {len(record['layers'])} Linears on {record['tokens']} calibration tokens in "
         f"{record['seconds']:.0f} s; calibration output error {ratio:.2f}x round to nearest's (median over layers)"

@@ -17,19 +17,20 @@ count.
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize
-from mixprec.inference.algorithms.spec import GptqParams
+from mixprec.inference.algorithms.spec import AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.layerwise import Captured
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
 from mixprec.inference.schemes import InferenceScheme
-from mixprec.quantization import quantize
+from mixprec.quantization import QuantizationStats, quantize
 from mixprec.scaling import QuantizedTensor, compute_scale
 from mixprec.select import fused_shards
 
@@ -83,6 +84,37 @@ class GptqPass:
         self._hessians.clear()
         return rerun(block, captured) if self.params.sequential else outputs
 
+    def record(
+        self, spec: AlgorithmSpec, batches: Sequence[torch.Tensor], seconds: float, data: str
+    ) -> dict[str, Any]:
+        """The report's `algorithm` (and the side file's body) after the walk."""
+        digest = hashlib.sha256()
+        for b in batches:
+            digest.update(b.to(torch.int64).numpy().tobytes())
+        return {
+            **spec.to_dict(), "data": data, "data_sha256": digest.hexdigest(),
+            "samples": sum(len(b) for b in batches), "seq_len": int(batches[0].shape[-1]),
+            "tokens": sum(b.numel() for b in batches), "propagation": PROPAGATION[self.params.sequential],
+            "seconds": seconds, "layers": self.layers,
+        }  # fmt: skip
+
+    def warnings(self) -> list[str]:
+        """What the caller should warn about after the walk: Hessians that saw fewer tokens than they
+        have inputs, and Linears the walk never reached (outside the blocks: rounded to nearest)."""
+        out = []
+        if self.short:
+            name, tokens, inputs = max(self.short, key=lambda t: t[2] - t[1])
+            out.append(
+                f"GPTQ: {len(self.short)} Hessian(s) saw fewer calibration tokens than they have inputs (e.g. "
+                f"{name}: {tokens} tokens for {inputs} inputs): the dampening carries them; give more "
+                "calibration samples or longer sequences"
+            )
+        missed = [n for n in self.schemes if n not in self.results]
+        if missed:
+            out.append(f"GPTQ did not reach {len(missed)} Linear(s) outside the transformer blocks (e.g. "
+                       f"{missed[0]!r}): they are rounded to nearest")  # fmt: skip
+        return out
+
     def _round_group(self, group: tuple[str, ...], hessian: torch.Tensor, rows: int,
                      modules: dict[str, nn.Module]) -> None:  # fmt: skip
         weights = {m: modules[m].weight for m in group}
@@ -98,7 +130,9 @@ class GptqPass:
             )  # fmt: skip
             seconds = time.perf_counter() - started
             q = result.quantized
-            rtn = quantize(w.detach().float(), sch.fmt, sch.weight_granularity, scale=scale, global_scale=global_scale)
+            rtn = quantize(
+                w.detach().float(), sch.fmt, sch.weight_granularity, scale=scale, global_scale=global_scale
+            )
             self.results[m] = q
             self.layers[m] = {
                 "output_error_rtn": _output_error(w, rtn.dequantize(), hessian),
@@ -108,6 +142,13 @@ class GptqPass:
             }  # fmt: skip
             if self.params.sequential:
                 w.data = q.dequantize(w.dtype)
+
+
+PROPAGATION = {
+    True: "sequential: each block calibrated on the outputs of the blocks before it with their weights "
+    "rounded (activations not quantized)",
+    False: "parallel: each block calibrated on the outputs of the unquantized blocks before it",
+}
 
 
 def _shared_scales(group: tuple[str, ...], amax: dict[str, float], schemes: Mapping[str, InferenceScheme],
@@ -125,6 +166,14 @@ def _shared_scales(group: tuple[str, ...], amax: dict[str, float], schemes: Mapp
     return out
 
 
+def rounding_stats(weight: torch.Tensor, rounded: QuantizedTensor) -> QuantizationStats:
+    """What the reports record of a weight an algorithm rounded: its amax, and the relative error of
+    the rounding against it (as quantize_with_stats gives for round to nearest)."""
+    w = weight.detach().float()
+    err = torch.linalg.vector_norm(w - rounded.dequantize()) / torch.linalg.vector_norm(w).clamp_min(1e-30)
+    return QuantizationStats(float(w.abs().amax()), float(err))
+
+
 def _output_error(weight: torch.Tensor, rounded: torch.Tensor, hessian: torch.Tensor) -> float:
     """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration inputs X, from their Hessian."""
     w = weight.detach().float()
@@ -134,4 +183,4 @@ def _output_error(weight: torch.Tensor, rounded: torch.Tensor, hessian: torch.Te
     return num / den if den > 0 else 0.0
 
 
-__all__ = ["GptqPass", "input_groups"]
+__all__ = ["PROPAGATION", "GptqPass", "input_groups", "rounding_stats"]

@@ -37,7 +37,9 @@ class GptqParams:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.damp <= 10.0:
-            raise MixprecError(f"GPTQ dampening must be between 0 and 10 (a fraction of the mean diagonal), got {self.damp}")
+            raise MixprecError(
+                f"GPTQ dampening must be between 0 and 10 (a fraction of the mean diagonal), got {self.damp}"
+            )
         if self.block < 1:
             raise MixprecError(f"GPTQ block must be at least 1 column, got {self.block}")
 
@@ -67,7 +69,9 @@ class AlgorithmSpec:
         if len(set(words)) != len(words):
             raise MixprecError(f"an algorithm is named twice in {','.join(words)}")
         if RTN in words and len(words) > 1:
-            raise MixprecError(f"'rtn' is round to nearest alone; it cannot run beside {', '.join(w for w in words if w != RTN)}")
+            raise MixprecError(
+                f"'rtn' is round to nearest alone; it cannot run beside {', '.join(w for w in words if w != RTN)}"
+            )
         names = tuple(sorted((w for w in words if w != RTN), key=lambda w: RUN_ORDER[w]))
         return cls(names, GptqParams(**{k: v for k, v in gptq.items() if v is not None}))
 

@@ -30,7 +30,6 @@ from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun,
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
-
 # The arguments a block receives, one (args, kwargs) per calibration batch.
 Captured = list[tuple[tuple, dict]]
 
@@ -108,7 +107,9 @@ def calibrate_blockwise(
     prefix, blocks = _block_list(model, getattr(getattr(model, "config", None), "num_hidden_layers", None))
     stray = [n for n in linear_names if not n.startswith(prefix + ".")]
     if stray:
-        raise MixprecError(f"block-by-block calibration observes Linears inside {prefix} only; also asked: {stray[:3]}")
+        raise MixprecError(
+            f"block-by-block calibration observes Linears inside {prefix} only; also asked: {stray[:3]}"
+        )
     was_training = model.training
     model.eval()
     try:

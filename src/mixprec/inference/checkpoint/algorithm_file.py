@@ -38,8 +38,16 @@ def read_algorithm_file(directory: Path) -> dict[str, Any] | None:
         raise MixprecError(f"{path}: not a readable JSON document ({e})") from None
     version = doc.get("schema_version") if isinstance(doc, dict) else None
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise MixprecError(f"{path}: schema_version {version!r} is not one this mixprec reads (<= {SCHEMA_VERSION})")
+        raise MixprecError(
+            f"{path}: schema_version {version!r} is not one this mixprec reads (<= {SCHEMA_VERSION})"
+        )
     return doc
 
 
-__all__ = ["ALGORITHM_FILE", "SCHEMA_VERSION", "algorithm_document", "read_algorithm_file", "write_algorithm_file"]
+__all__ = [
+    "ALGORITHM_FILE",
+    "SCHEMA_VERSION",
+    "algorithm_document",
+    "read_algorithm_file",
+    "write_algorithm_file",
+]

@@ -30,7 +30,11 @@ from mixprec.formats import E4M3
 from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs
-from mixprec.inference.checkpoint.algorithm_file import ALGORITHM_FILE, algorithm_document, write_algorithm_file
+from mixprec.inference.checkpoint.algorithm_file import (
+    ALGORITHM_FILE,
+    algorithm_document,
+    write_algorithm_file,
+)
 from mixprec.inference.checkpoint.layout import K_SCALE, V_SCALE, planned_tensors
 from mixprec.inference.checkpoint.linear_weights import LinearWeights, find_linear_weights
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, publish
@@ -231,7 +235,9 @@ def _side_files(job: QuantizeJob, tmp: Path, calibration: Calibration) -> list[s
 
     copied = copy_side_files(job.model_dir, tmp, skip={ALGORITHM_FILE})
     if calibration.algorithm is not None:
-        doc = algorithm_document({"scheme": job.scheme.name, **calibration.algorithm}, f"mixprec {__version__}")
+        doc = algorithm_document(
+            {"scheme": job.scheme.name, **calibration.algorithm}, f"mixprec {__version__}"
+        )
         copied.append(write_algorithm_file(tmp, doc))
     return copied
 

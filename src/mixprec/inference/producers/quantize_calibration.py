@@ -8,7 +8,6 @@ rounded (algorithms/gptq_pass.py) and their results kept for the writer.
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,7 +81,7 @@ def calibrate_job(
     gc.collect()
     if gptq is None:
         return Calibration(input_amax, result.kv_amax, kv_names, info)
-    record = _gptq_record(job, selection, gptq, batches, result.run.seconds, report)
+    record = _gptq_record(job, gptq, batches, result.run.seconds, report)
     return Calibration(input_amax, result.kv_amax, kv_names, info, dict(gptq.results), record)
 
 
@@ -102,41 +101,15 @@ def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPa
     return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype)
 
 
-def _gptq_record(job: QuantizeJob, selection: Selection, gptq: GptqPass, batches: list[torch.Tensor],
-                 seconds: float, report: ConversionReport) -> dict[str, Any]:  # fmt: skip
-    """The report's `algorithm` (and the side file's body); warnings for Hessians that saw fewer
-    tokens than they have inputs and for targets GPTQ did not reach (rounded to nearest)."""
-    if gptq.short:
-        name, tokens, inputs = max(gptq.short, key=lambda t: t[2] - t[1])
-        report.warn(
-            f"GPTQ: {len(gptq.short)} Hessian(s) saw fewer calibration tokens than they have inputs (e.g. {name}: "
-            f"{tokens} tokens for {inputs} inputs): the dampening carries them; give more --calib-samples "
-            "or a longer --calib-seq-len",
-            depth=2,
-        )
-    missed = [n for n in selection.targets if n not in gptq.results]
-    if missed:
-        report.warn(f"GPTQ did not reach {len(missed)} Linear(s) outside the transformer blocks (e.g. "
-                    f"{missed[0]!r}): they are rounded to nearest", depth=2)  # fmt: skip
-    digest = hashlib.sha256()
-    for b in batches:
-        digest.update(b.to(torch.int64).numpy().tobytes())
-    record = {
-        **job.algorithm.to_dict(), "data": str(job.calib_data), "data_sha256": digest.hexdigest(),
-        "samples": sum(len(b) for b in batches), "seq_len": int(batches[0].shape[1]),
-        "tokens": sum(b.numel() for b in batches), "propagation": _PROPAGATION[job.algorithm.gptq.sequential],
-        "seconds": seconds, "layers": gptq.layers,
-    }  # fmt: skip
+def _gptq_record(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], seconds: float,
+                 report: ConversionReport) -> dict[str, Any]:  # fmt: skip
+    """The report's `algorithm` (and the side file's body); GPTQ's warnings into the report."""
+    for message in gptq.warnings():
+        report.warn(message, depth=2)
+    record = gptq.record(job.algorithm, batches, seconds, str(job.calib_data))
     report.algorithm = record
     report.notes.append(f"GPTQ: {len(gptq.results)} Linears on {record['tokens']} calibration tokens")
     return record
-
-
-_PROPAGATION = {
-    True: "sequential: each block calibrated on the outputs of the blocks before it with their weights "
-    "rounded (activations not quantized)",
-    False: "parallel: each block calibrated on the outputs of the unquantized blocks before it",
-}
 
 
 def _calibrate_whole_model(

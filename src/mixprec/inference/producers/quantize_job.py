@@ -6,7 +6,7 @@ validated before any work) and the first steps of its pipeline: what `resolve` f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ class QuantizeJob:
     layer_by_layer: bool | None
     progress: bool
     strict: bool
-    algorithm: AlgorithmSpec = AlgorithmSpec()
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
 
     @classmethod
     def build(cls, model_dir: str | Path, output_dir: str | Path, scheme: Any, *, ignore: Sequence[str] | None,
@@ -88,7 +88,9 @@ class QuantizeJob:
             if job.calib_data is None:
                 who = (f"--algorithm {job.algorithm.label}" if job.algorithm.needs_data
                        else f"scheme {calibrated[0].name}" if calibrated else "--kv-cache fp8")  # fmt: skip
-                raise MixprecError(f"{who} needs --calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')")
+                raise MixprecError(
+                    f"{who} needs --calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')"
+                )
             make_observer(job.observer)  # fail on a bad name before any work
         return job
 

@@ -20,11 +20,16 @@ import torch
 
 from mixprec.conversion import ConversionReport
 from mixprec.formats import E4M3
+from mixprec.inference.algorithms.gptq_pass import rounding_stats
 from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, PlannedShardWriter, ShardReader
 from mixprec.inference.checkpoint.scales_file import layer_entry
-from mixprec.inference.producers.quantize_blocks import block_outputs, quantize_block_task, quantize_group_task
+from mixprec.inference.producers.quantize_blocks import (
+    block_outputs,
+    quantize_block_task,
+    quantize_group_task,
+)
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
 from mixprec.progress import progress_bar
 from mixprec.quantization import QuantizationStats
@@ -242,8 +247,7 @@ def _prequantized_task(reader: ShardReader, info, module: str, shape: tuple[int,
     finally:
         in_pool.release(buf)
     check_finite(w, info.name)
-    err = torch.linalg.vector_norm(w - q.dequantize()) / torch.linalg.vector_norm(w).clamp_min(1e-30)
-    stats = QuantizationStats(float(w.abs().amax()), float(err))
+    stats = rounding_stats(w, q)
     if sch.is_fp8:
         return {module: (*_fp8_outputs(q, stats, module, shape, sch, layout, in_amax), None)}
     return {module: (*block_outputs(q, stats, info, module, shape, sch, in_amax), None)}

@@ -16,13 +16,16 @@ from torch import nn
 from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
+from mixprec.inference.algorithms.gptq_pass import GptqPass, rounding_stats
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
+from mixprec.inference.calibration.layerwise import calibrate_blockwise
 from mixprec.inference.calibration.run import StopRule, calibrate
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale
 from mixprec.inference.checkpoint.scales_file import compact_entry, layer_entry
 from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
-from mixprec.scaling import compute_scale
+from mixprec.scaling import QuantizedTensor, compute_scale
 
 
 def linear_targets(
@@ -76,6 +79,7 @@ def apply_scheme_(
     scales: dict[str, Any] | None = None,
     default_ignore: bool = True,
     stop: StopRule | None = None,
+    algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
 ) -> ConversionReport:
     """Quantize `model`'s Linears in place to `scheme` (FP8, or an FP4/MX block format) and return a
     ConversionReport. The package root's `mixprec.quantize_model_` is the public entry (it also takes
@@ -87,9 +91,12 @@ def apply_scheme_(
     path with tokenizer=; calibration stops early once the input amax settle (`stop`, default
     StopRule(); calib_samples is the cap) and `report.calibration` says how much it ran and why it
     stopped. scales: a validated scales document (see scales_file) whose weight/input scales are used
-    instead of computing them.
+    instead of computing them. algorithm: "gptq" (or an AlgorithmSpec) rounds the weights with GPTQ on
+    calib_data, block by block (every batch runs; static input scales are observed in the same walk);
+    recorded in `report.algorithm`.
     """
     sch = InferenceScheme.from_name(scheme)
+    spec = AlgorithmSpec.parse(algorithm)
     patterns = resolve_ignore(ignore, defaults=default_ignore)
     targets, skipped = linear_targets(model, sch, patterns)
     modules = dict(model.named_modules())
@@ -101,7 +108,19 @@ def apply_scheme_(
     )  # fmt: skip
     report.weight_bytes_before = weight_bytes(model)
     input_amax: dict[str, float] = {}
-    if sch.needs_calibration:
+    prequantized: dict[str, QuantizedTensor] = {}
+    if spec.uses_gptq and targets:
+        if scales is not None:
+            raise MixprecError(
+                "algorithm='gptq' computes the weight scales itself; scales= cannot be given with it"
+            )
+        if calib_data is None:
+            raise MixprecError(f"algorithm={spec.label!r} needs calibration data (calib_data=)")
+        batches = list(_calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len))
+        input_amax, prequantized = _run_gptq(
+            model, batches, targets, sch, spec, param_dtype, observer, report
+        )
+    elif sch.needs_calibration:
         missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
         if missing:
             if calib_data is None:
@@ -125,7 +144,8 @@ def apply_scheme_(
         param_dtype,
     ) if nv else {}  # fmt: skip
     for name in targets:
-        _swap_linear(model, modules, name, sch, layers_in.get(name, {}), input_amax, weight_globals.get(name), report)  # fmt: skip
+        _swap_linear(model, modules, name, sch, layers_in.get(name, {}), input_amax, weight_globals.get(name),
+                     report, prequantized.get(name))  # fmt: skip
     for name, why in skipped.items():
         m = modules[name]
         report.add_skipped(name, type(m).__name__, m.weight.numel(), why)
@@ -136,11 +156,28 @@ def apply_scheme_(
     return report
 
 
+def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: InferenceScheme, spec: AlgorithmSpec,
+              dtype: torch.dtype, observer: str, report: ConversionReport) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
+    """GPTQ over the live model block by block: (static input amax, {Linear: its GPTQ rounding})."""
+    if any(not isinstance(b, torch.Tensor) or b.is_floating_point() for b in batches):
+        raise MixprecError("algorithm='gptq' on a live model takes calib_data as token-id tensors [batch, seq] "
+                           "(or a text path with tokenizer=)")  # fmt: skip
+    gptq = GptqPass(dict.fromkeys(targets, sch), spec.gptq, dtype)
+    static = targets if sch.needs_calibration else []
+    result = calibrate_blockwise(model, batches, static, observer=observer, block_pass=gptq)
+    for message in gptq.warnings():
+        report.warn(message, depth=2)
+    report.algorithm = gptq.record(spec, batches, result.run.seconds, "calib_data")
+    if static:
+        report.calibration = {"observer": observer, **result.run.to_dict()}
+    return result.input_amax, gptq.results
+
+
 def _swap_linear(model: nn.Module, modules: dict[str, nn.Module], name: str, sch: InferenceScheme,
                  given: dict[str, Any], input_amax: dict[str, float], weight_global: torch.Tensor | None,
-                 report: ConversionReport) -> None:  # fmt: skip
+                 report: ConversionReport, rounded: QuantizedTensor | None = None) -> None:  # fmt: skip
     """Replace the Linear `name` by its quantized Linear (scales `given` by a scales document win over
-    computed ones), and record it in the report."""
+    computed ones; `rounded`: the weight an algorithm already quantized), and record it in the report."""
     lin = modules[name]
     w_scale = None
     if given.get("weight") and "scale" in given["weight"]:
@@ -149,9 +186,12 @@ def _swap_linear(model: nn.Module, modules: dict[str, nn.Module], name: str, sch
         )
         if w_scale.dim() == 1:
             w_scale = w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_scale.reshape(1, 1)
-    q, stats = quantize_weight(
-        lin.weight.detach(), sch, name=f"{name}.weight", scale=w_scale, global_scale=weight_global
-    )
+    if rounded is not None:
+        q, stats = rounded, rounding_stats(lin.weight.detach(), rounded)
+    else:
+        q, stats = quantize_weight(
+            lin.weight.detach(), sch, name=f"{name}.weight", scale=w_scale, global_scale=weight_global
+        )
     in_scale = None
     in_amax = None
     if sch.needs_calibration:
