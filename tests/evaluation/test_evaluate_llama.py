@@ -338,3 +338,39 @@ def test_no_decoded_cache_flag(eval_env, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["settings"]["decoded_cache"] is False and doc["candidate"]["decoded_weight_cache"] is False
     assert doc["candidate"]["decoded_weight_cache_bytes"] == 0
+
+
+def test_fp4_candidate_scheme_rounded_by_gptq_matches_an_independent_run(eval_env):
+    """--candidate-scheme nvfp4a16 --algorithm gptq: GPTQ calibrates on the blocks after the evaluated
+    ones; the same quantize_model_ call made here on those blocks gives the same perplexity."""
+    import mixprec
+
+    calib = 4
+    r = evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="gptq", calib_samples=calib,
+                 data=eval_env["corpus"], samples=SAMPLES, seq_len=SEQ, task="lm", progress=False)  # fmt: skip
+    assert r.candidate["source"].startswith("online:nvfp4a16+gptq of ")
+    alg = r.candidate["algorithm"]
+    assert alg["names"] == ["gptq"] and alg["tokens"] == calib * SEQ and alg["median_output_error_vs_rtn"] < 1
+    from transformers import AutoModelForCausalLM
+
+    docs, _ = read_documents(eval_env["corpus"])
+    blocks = lm_blocks(docs, Tokenizer(eval_env["tokenizer"], "t"), SEQ, SAMPLES + calib)
+    model = AutoModelForCausalLM.from_pretrained(eval_env["llama"]).eval()
+    mixprec.quantize_model_(
+        model, "nvfp4a16", calib_data=[b[None] for b in blocks[SAMPLES:]], algorithm="gptq"
+    )
+    with torch.no_grad():
+        logits = model(input_ids=blocks[:SAMPLES]).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:SAMPLES, 1:].reshape(-1))
+    assert r.tasks["lm"]["candidate_perplexity"] == pytest.approx(math.exp(nll.item()), rel=1e-5)
+
+
+def test_algorithm_needs_a_derived_candidate(eval_env):
+    with pytest.raises(
+        MixprecError, match="--algorithm gptq rounds a candidate derived with --candidate-scheme"
+    ):
+        evaluate(
+            eval_env["llama"], eval_env["llama"], algorithm="gptq", data=eval_env["corpus"], samples=SAMPLES
+        )
+    with pytest.raises(MixprecError, match="unknown algorithm"):
+        evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="gtpq", data=eval_env["corpus"])

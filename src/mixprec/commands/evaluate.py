@@ -6,11 +6,13 @@ import argparse
 from pathlib import Path
 
 from mixprec.commands import extras
+from mixprec.commands.algorithm_args import add_algorithm_arguments, algorithm_spec
 from mixprec.errors import MixprecError
 from mixprec.evaluation import Gates, evaluate, parse_memory_saving, write_report
 from mixprec.evaluation.gates import parse_fraction
 from mixprec.evaluation.inputs import check_counts
 from mixprec.evaluation.intervals import Bootstrap
+from mixprec.evaluation.models import CANDIDATE_SCHEMES
 from mixprec.files import check_new_output
 from mixprec.verdicts import DEFAULT_LEVEL, DEFAULT_RESAMPLES
 
@@ -30,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--candidate", metavar="DIR", help="a mixprec / compressed-tensors / HF-fp8 (or plain) model dir"
     )
     who.add_argument(
-        "--candidate-scheme", choices=("fp8-dynamic", "fp8-static", "fp8-block", "bf16"),
-        help="derive the candidate from the reference online instead",
+        "--candidate-scheme", choices=CANDIDATE_SCHEMES, metavar="SCHEME",
+        help=f"derive the candidate from the reference online instead: {', '.join(CANDIDATE_SCHEMES)} "
+        "(rounded by --algorithm)",
     )  # fmt: skip
     parser.add_argument("--data", required=True, metavar="PATH",
                         help=".txt (one sample per line), folder of .txt/.md, .jsonl with 'text'; "
@@ -55,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-len", type=int, default=None, help="generate: prompt tokens (default min(32, seq_len/2))"
     )
     parser.add_argument(
-        "--calib-samples", type=int, default=32, help="fp8-static: calibration samples from --data"
+        "--calib-samples",
+        type=int,
+        default=32,
+        help="static schemes and --algorithm: calibration blocks from --data, after the evaluated ones",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     parser.add_argument(
@@ -64,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CPU path; counted in weights in memory, so an FP8 candidate can outgrow its bf16 reference); "
         "default off: weights decoded per call",
     )  # fmt: skip
+    add_algorithm_arguments(parser)
     add_interval_arguments(parser)
     add_gate_arguments(parser)
     parser.add_argument(
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples, seq_len=args.seq_len, gates=gates, device=args.device, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, calib_samples=args.calib_samples,
         progress=not args.no_progress, paragraphs=args.paragraphs, allow_fewer=args.allow_fewer,
-        bootstrap=bootstrap, strict=args.strict, decoded_cache=args.decoded_cache,
+        bootstrap=bootstrap, strict=args.strict, decoded_cache=args.decoded_cache, algorithm=algorithm_spec(args),
     )  # fmt: skip
     if args.json:
         result.write_json(args.json)

@@ -6,10 +6,10 @@ import argparse
 import json
 import statistics
 
+from mixprec.commands.algorithm_args import add_algorithm_arguments, algorithm_spec
 from mixprec.errors import MixprecError
 from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
-from mixprec.inference.algorithms.spec import ALGORITHMS, RTN, AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.observers import OBSERVERS
 from mixprec.inference.calibration.run import DEFAULT_MIN_TOKENS, DEFAULT_TOLERANCE, DEFAULT_WINDOW, StopRule
 from mixprec.inference.checkpoint.layout import LAYOUTS
@@ -105,36 +105,6 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
         "--layer-by-layer", action=argparse.BooleanOptionalAction, default=None,
         help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM)",
     )  # fmt: skip
-
-
-def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
-    """What rounds the weights beyond round to nearest (docs/algorithms.md)."""
-    group = parser.add_argument_group("algorithms (docs/algorithms.md)")
-    group.add_argument(
-        "--algorithm", default=RTN, metavar="NAME[,NAME]",
-        help=f"rtn: round to nearest (default); gptq: GPTQ on --calib-data, every Linear rounded with its "
-        f"scheme's own scale rule (known: {', '.join(ALGORITHMS)})",
-    )  # fmt: skip
-    defaults = GptqParams()
-    group.add_argument("--gptq-damp", type=float, default=defaults.damp, metavar="FRACTION",
-                       help=f"added to the Hessian diagonal, a fraction of its mean (default {defaults.damp})")  # fmt: skip
-    group.add_argument("--gptq-block", type=int, default=defaults.block, metavar="COLUMNS",
-                       help=f"columns per lazy update (default {defaults.block})")  # fmt: skip
-    group.add_argument(
-        "--act-order", action=argparse.BooleanOptionalAction, default=defaults.act_order,
-        help="GPTQ: columns by decreasing Hessian diagonal, group scales fixed up front (default on)",
-    )  # fmt: skip
-    group.add_argument(
-        "--sequential", action=argparse.BooleanOptionalAction, default=defaults.sequential,
-        help="GPTQ: calibrate each block on the outputs of the blocks before it with their weights rounded "
-        "(default on); --no-sequential: on the unquantized outputs",
-    )  # fmt: skip
-
-
-def algorithm_spec(args: argparse.Namespace) -> AlgorithmSpec:
-    """--algorithm and its parameters, checked before any work."""
-    return AlgorithmSpec.parse(args.algorithm, damp=args.gptq_damp, block=args.gptq_block,
-                               act_order=args.act_order, sequential=args.sequential)  # fmt: skip
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ from mixprec.evaluation.inputs import (
 )
 from mixprec.evaluation.intervals import Bootstrap
 from mixprec.evaluation.models import CANDIDATE_SCHEMES
+from mixprec.inference.algorithms.spec import AlgorithmSpec
+from mixprec.inference.schemes import InferenceScheme
 
 TASKS = ("lm", "generate", "embed", "clip")
 DEFAULT_TASK = {"causal-lm": "lm", "encoder": "embed", "image-text": "clip"}
@@ -75,6 +77,14 @@ class EvaluationJob:
     allow_fewer: bool
     strict: bool
     decoded_cache: bool = False  # quantized Linears keep their bf16-decoded weights (counted as memory)
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)  # what rounds a derived candidate
+
+    @property
+    def calibrates(self) -> bool:
+        """The derived candidate needs calibration blocks (a static scheme, or an algorithm)."""
+        if self.scheme is None or self.scheme == "bf16":
+            return False
+        return InferenceScheme.from_name(self.scheme).needs_calibration or self.algorithm.needs_data
 
     @property
     def unit(self) -> str:
@@ -104,6 +114,7 @@ def evaluation_job(
     bootstrap: Bootstrap | None,
     strict: bool,
     decoded_cache: bool = False,
+    algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
 ) -> EvaluationJob:
     """evaluate()'s arguments checked (MixprecError on the first problem) and its models' configs read."""
     gates = gates or Gates()
@@ -116,16 +127,22 @@ def evaluation_job(
         raise MixprecError(f"--seq-len must be at least 2, got {seq_len}")
     bootstrap.check()
     scheme = _scheme(candidate_scheme)
+    spec = AlgorithmSpec.parse(algorithm)
+    if spec.names and scheme in (None, "bf16"):
+        raise MixprecError(
+            f"--algorithm {spec.label} rounds a candidate derived with --candidate-scheme (an FP8 or FP4 scheme); "
+            "a candidate checkpoint was rounded when it was written"
+        )
     dev = _device(device)
     models = _model_configs(reference, candidate)
     tasks = _tasks(task, models.kind, gates)
-    plen = _check_lengths(tasks, scheme, models, seq_len, prompt_len, max_new_tokens)
+    plen = _check_lengths(tasks, scheme, models, seq_len, prompt_len, max_new_tokens, spec)
     return EvaluationJob(
         reference=reference, candidate=candidate, scheme=scheme, models=models, data=data, tasks=tasks,
         samples=samples, seq_len=seq_len, prompt_len=plen, max_new_tokens=max_new_tokens,
         calib_samples=calib_samples, batch_size=batch_size, gates=gates, bootstrap=bootstrap, device=dev,
         tokenizer=tokenizer, progress=progress, paragraphs=paragraphs, allow_fewer=allow_fewer, strict=strict,
-        decoded_cache=bool(decoded_cache),
+        decoded_cache=bool(decoded_cache), algorithm=spec,
     )  # fmt: skip
 
 
@@ -198,11 +215,14 @@ def _check_lengths(
     seq_len: int,
     prompt_len: int | None,
     max_new_tokens: int,
+    algorithm: AlgorithmSpec,
 ) -> int:
     """The tasks' lengths against the reference's positions; returns the prompt length of "generate"."""
-    if "clip" in tasks and scheme == "fp8-static":
-        raise MixprecError("--candidate-scheme fp8-static calibrates on text blocks; an image-text model needs "
-                           "fp8-dynamic or fp8-block (or a checkpoint calibrated by `mixprec quantize`)")  # fmt: skip
+    static = scheme not in (None, "bf16") and InferenceScheme.from_name(scheme).needs_calibration
+    if "clip" in tasks and (static or algorithm.needs_data):
+        raise MixprecError(f"--candidate-scheme {scheme}{' --algorithm ' + algorithm.label if algorithm.names else ''} "
+                           "calibrates on text blocks; an image-text model needs a dynamic scheme (fp8-dynamic, "
+                           "fp8-block, nvfp4a16, ...) or a checkpoint calibrated by `mixprec quantize`")  # fmt: skip
     if any(t != "clip" for t in tasks):
         check_seq_len(int(seq_len), models.config, models.source)
     plen = prompt_len or max(1, min(32, int(seq_len) // 2))

@@ -15,15 +15,18 @@ from mixprec.errors import MixprecError
 from mixprec.evaluation.inputs import ARCH_KEYS
 from mixprec.evaluation.memory import tensor_bytes_by_dtype, weight_bytes_in_memory, weight_bytes_on_disk
 from mixprec.hf import load_model, model_kind, read_config, vocab_size
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.checkpoint.configs import parse_quantization_config
 from mixprec.inference.checkpoint.scales_file import find_scales_file
 from mixprec.inference.readers.load import load_quantized
 from mixprec.inference.runtime.linear import decoded_cache_bytes
 from mixprec.inference.runtime.online import apply_scheme_
+from mixprec.inference.schemes import SCHEMES
 from mixprec.kernels import bf16_cpu
 from mixprec.kernels.hardware import detect
 
-CANDIDATE_SCHEMES = ("fp8-dynamic", "fp8-static", "fp8-block", "bf16")
+# every scheme `mixprec quantize` writes, derived online from the reference, and the bf16 cast
+CANDIDATE_SCHEMES = (*SCHEMES, "bf16")
 
 
 @dataclass
@@ -105,8 +108,10 @@ def as_side(obj: str | os.PathLike | nn.Module, role: str) -> Side:
     raise MixprecError(f"{role} must be a model directory or a torch.nn.Module, got {type(obj).__name__}")
 
 
-def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Tensor] | None) -> Side:
-    """A copy of the reference, quantized online (fp8-*) or cast to bf16."""
+def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Tensor] | None,
+                     algorithm: AlgorithmSpec | None = None) -> Side:  # fmt: skip
+    """A copy of the reference, quantized online (any scheme, rounded by `algorithm` when given) or
+    cast to bf16."""
     scheme = scheme.strip().lower()
     if scheme not in CANDIDATE_SCHEMES:
         raise MixprecError(f"unknown --candidate-scheme {scheme!r}; known: {', '.join(CANDIDATE_SCHEMES)}")
@@ -115,10 +120,28 @@ def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Ten
     if scheme == "bf16":
         model = model.to(torch.bfloat16)  # the CPU compute hooks are installed by install_low_precision_hooks
     else:
-        report = apply_scheme_(model, scheme, calib_data=calib_batches)
+        report = apply_scheme_(model, scheme, calib_data=calib_batches, algorithm=algorithm)
         info["quantization_report"] = _summarize_report(report)
+        if report.algorithm is not None:
+            info["algorithm"] = algorithm_summary(report.algorithm)
     model.eval()
-    return Side(model, f"online:{scheme} of {reference.source}", reference.kind, scheme=scheme, info=info)
+    label = scheme if algorithm is None or not algorithm.names else f"{scheme}+{algorithm.label}"
+    return Side(model, f"online:{label} of {reference.source}", reference.kind, scheme=scheme, info=info)
+
+
+def algorithm_summary(record: dict) -> dict:
+    """What an evaluation records of the algorithm that rounded its candidate: the record without its
+    per-layer table, and the median over layers of the calibration output error against round to
+    nearest's."""
+    errors = sorted(
+        r["output_error"] / r["output_error_rtn"]
+        for r in record["layers"].values()
+        if r["output_error_rtn"] > 0
+    )
+    summary = {k: v for k, v in record.items() if k != "layers"}
+    summary["layers"] = len(record["layers"])
+    summary["median_output_error_vs_rtn"] = errors[len(errors) // 2] if errors else None
+    return summary
 
 
 def install_low_precision_hooks(side: Side) -> None:

@@ -46,6 +46,7 @@ from mixprec.hf import (
     transformers_progress,
     vocab_size,
 )
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.runtime.linear import set_decoded_cache
 from mixprec.kernels import emulation
 from mixprec.kernels.hardware import describe_machine, detect
@@ -74,6 +75,7 @@ def evaluate(
     bootstrap: Bootstrap | None = None,
     strict: bool = False,
     decoded_cache: bool = False,
+    algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
 ) -> EvaluationResult:
     """Compare `candidate` (a directory or module, or `candidate_scheme` applied to the reference) with
     `reference` on `samples` samples of `data`; returns every figure, its confidence interval and the
@@ -86,15 +88,17 @@ def evaluate(
     directory's. `bootstrap`: level, resamples and seed of the intervals. `strict`: an inconclusive gate
     fails. `decoded_cache`: the quantized Linears of a bf16 model keep their weights decoded to bf16
     after first use (the fast bf16 forward on CPUs with native bf16 GEMMs); the copies are counted in
-    "weights in memory". False decodes per call: the throughput without that memory. Raises
-    MixprecError on bad input, before any model is loaded.
+    "weights in memory". False decodes per call: the throughput without that memory. `algorithm`
+    (with candidate_scheme): what rounds the derived candidate's weights ("gptq": calibrated on
+    `calib_samples` blocks of `data` after the evaluated ones), so a checkpoint's recipe is verified
+    before it is written. Raises MixprecError on bad input, before any model is loaded.
     """
     started = time.perf_counter()
     job = evaluation_job(reference, candidate, candidate_scheme=candidate_scheme, data=data, task=task,
                          samples=samples, seq_len=seq_len, gates=gates, device=device, batch_size=batch_size,
                          max_new_tokens=max_new_tokens, prompt_len=prompt_len, calib_samples=calib_samples,
                          tokenizer=tokenizer, progress=progress, paragraphs=paragraphs, allow_fewer=allow_fewer,
-                         bootstrap=bootstrap, strict=strict, decoded_cache=decoded_cache)  # fmt: skip
+                         bootstrap=bootstrap, strict=strict, decoded_cache=decoded_cache, algorithm=algorithm)  # fmt: skip
     inputs = _read_inputs(job)
     ref, cand, processor = _load_models(job, inputs)
     figures, per_sample = _run_tasks(job, ref, cand, inputs, processor)
@@ -145,7 +149,7 @@ def _read_inputs(job: EvaluationJob) -> Inputs:
     )
     inputs = Inputs(text_tokenizer(job.models.directory, model_vocab or 0, job.tokenizer), str(job.data))
     tok, seq_len, docs = inputs.tokenizer, int(job.seq_len), None
-    if "lm" in job.tasks or job.scheme == "fp8-static":
+    if "lm" in job.tasks or job.calibrates:
         docs, inputs.source = read_documents(job.data)
         inputs.documents = len(docs)
     if "lm" in job.tasks:
@@ -162,7 +166,7 @@ def _read_inputs(job: EvaluationJob) -> Inputs:
         pairs, inputs.source = read_pairs(job.data)
         inputs.documents = len(pairs)
         inputs.add("clip", pairs[: job.samples], job, "image-caption pairs")
-    if job.scheme == "fp8-static":
+    if job.calibrates:
         inputs.calibration = _calibration_batches(job, docs, tok, inputs.warnings)
     return inputs
 
@@ -170,12 +174,13 @@ def _read_inputs(job: EvaluationJob) -> Inputs:
 def _calibration_batches(
     job: EvaluationJob, docs: list[str], tok: Tokenizer, warnings: list[str]
 ) -> list[torch.Tensor]:
-    """fp8-static's calibration: the blocks after the evaluated ones when the data has them (no overlap)."""
+    """The derived candidate's calibration (static schemes, an algorithm): the blocks after the evaluated
+    ones when the data has them (no overlap)."""
     blocks = lm_blocks(docs, tok, int(job.seq_len), job.samples + job.calib_samples)
     if blocks.shape[0] > job.samples:
         blocks = blocks[job.samples :]
     else:
-        warnings.append("fp8-static calibrated on the evaluation blocks (the data has no more text)")
+        warnings.append(f"{job.scheme} calibrated on the evaluation blocks (the data has no more text)")
         blocks = blocks[: job.calib_samples]
     return [blocks[i : i + 1] for i in range(blocks.shape[0])]
 
@@ -193,7 +198,7 @@ def _load_models(job: EvaluationJob, inputs: Inputs) -> tuple[Side, Side, Any]:
                 cand_tok = text_tokenizer(cand.directory, _vocab(cand.model)).vocab()
             check_compatible(ref, cand, inputs.tokenizer.vocab(), cand_tok)
         else:
-            cand = derive_candidate(ref, job.scheme, inputs.calibration)
+            cand = derive_candidate(ref, job.scheme, inputs.calibration, job.algorithm)
         processor = image_processor(ref.directory, ref.model) if "clip" in job.tasks else None
     for side in (ref, cand):
         if set_decoded_cache(side.model, job.decoded_cache):  # a model with quantized Linears

@@ -109,16 +109,16 @@ def apply_scheme_(
     report.weight_bytes_before = weight_bytes(model)
     input_amax: dict[str, float] = {}
     prequantized: dict[str, QuantizedTensor] = {}
+
+    def batches() -> Iterable[Any]:
+        return _calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len)
+
     if spec.uses_gptq and targets:
-        if scales is not None:
-            raise MixprecError(
-                "algorithm='gptq' computes the weight scales itself; scales= cannot be given with it"
-            )
-        if calib_data is None:
-            raise MixprecError(f"algorithm={spec.label!r} needs calibration data (calib_data=)")
-        batches = list(_calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len))
+        if scales is not None or calib_data is None:
+            raise MixprecError(f"algorithm={spec.label!r} needs calib_data= and computes the weight scales itself "
+                               "(no scales=)")  # fmt: skip
         input_amax, prequantized = _run_gptq(
-            model, batches, targets, sch, spec, param_dtype, observer, report
+            model, list(batches()), targets, sch, spec, param_dtype, observer, report
         )
     elif sch.needs_calibration:
         missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
@@ -128,21 +128,9 @@ def apply_scheme_(
                     f"scheme {sch.name} needs calibration data (calib_data=) for static input scales "
                     f"({len(missing)} layers lack them, e.g. {missing[0]!r})"
                 )
-            batches = _calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len)
-            result = calibrate(model, batches, missing, observer=observer, stop=stop)
-            input_amax = result.input_amax
-            report.calibration = {"observer": observer, **result.run.to_dict()}
-            report.notes.append(
-                f"calibrated {len(missing)} input scales with the {observer} observer on {result.run.samples} "
-                f"samples ({result.run.reason})"
-            )
+            input_amax = _calibrate_inputs(model, batches(), missing, observer, stop, report)
     was_training = model.training
-    # NVFP4: the shards of a fused GEMM (q/k/v, gate/up) share one weight global scale
-    nv = [n for n in targets if sch.weight_granularity.scale_format == "e4m3"]
-    weight_globals = fused_global_scales(
-        {n: max(-float(lo), float(hi)) for n in nv for lo, hi in [torch.aminmax(modules[n].weight.detach())]},
-        param_dtype,
-    ) if nv else {}  # fmt: skip
+    weight_globals = _weight_global_scales(modules, targets, sch, param_dtype)
     for name in targets:
         _swap_linear(model, modules, name, sch, layers_in.get(name, {}), input_amax, weight_globals.get(name),
                      report, prequantized.get(name))  # fmt: skip
@@ -154,6 +142,31 @@ def apply_scheme_(
     report.weight_bytes_after = weight_bytes(model)
     model.mixprec_report = report  # as load_quantized does; save_quantized reads the layer statistics
     return report
+
+
+def _weight_global_scales(modules: dict[str, nn.Module], targets: list[str], sch: InferenceScheme,
+                          dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+    """NVFP4: the shards of a fused GEMM (q/k/v, gate/up) share one weight global scale."""
+    if sch.weight_granularity.scale_format != "e4m3":
+        return {}
+    amax = {
+        n: max(-float(lo), float(hi))
+        for n in targets
+        for lo, hi in [torch.aminmax(modules[n].weight.detach())]
+    }
+    return fused_global_scales(amax, dtype)
+
+
+def _calibrate_inputs(model: nn.Module, batches: Iterable[Any], names: list[str], observer: str,
+                      stop: StopRule | None, report: ConversionReport) -> dict[str, float]:  # fmt: skip
+    """The static input amax of `names` (calibration stops once they settle); recorded in the report."""
+    result = calibrate(model, batches, names, observer=observer, stop=stop)
+    report.calibration = {"observer": observer, **result.run.to_dict()}
+    report.notes.append(
+        f"calibrated {len(names)} input scales with the {observer} observer on {result.run.samples} "
+        f"samples ({result.run.reason})"
+    )
+    return result.input_amax
 
 
 def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: InferenceScheme, spec: AlgorithmSpec,
