@@ -36,6 +36,7 @@ WORKFLOW_PAGES = {
     "profile.md",
     "fp4.md",
     "auto.md",
+    "algorithms.md",
 }
 # pages whose examples take more than a few seconds (training steps, calibration, exports, torchrun);
 # `pytest -q` runs them too, `-m "not slow"` leaves them out
@@ -50,6 +51,7 @@ SLOW_PAGES = {
     "checkpoints.md",
     "fp4.md",
     "auto.md",
+    "algorithms.md",
 }
 RUN_LANGS = ("python", "bash")
 BASH_TIMEOUT_S = 600
