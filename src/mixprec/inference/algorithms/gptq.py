@@ -26,6 +26,7 @@ columns.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -168,34 +169,49 @@ class _Solver:
 
     def run(self, hinv: torch.Tensor, order: torch.Tensor | None, block: int) -> None:
         """Blocks of `block` columns (a multiple of the group width, so no group straddles two): within
-        a block the updates go to its columns at once, to the later columns lazily at its end."""
-        w = self.w if order is None else self.w[:, order]
-        columns = list(range(w.shape[1])) if order is None else order.tolist()
-        k = w.shape[1]
+        a block the updates go to its columns at once, to the later columns lazily at its end. The
+        weight is held transposed (a column is a contiguous row: the per-column update touches
+        contiguous memory), and the column loop runs on one thread (its small ops only pay for the
+        synchronisation of more; measured 14 ms against 0.01 ms per update on a loaded 2-core CPU)."""
+        wt = (self.w if order is None else self.w[:, order]).t().contiguous()  # [K, N]
+        columns = list(range(wt.shape[0])) if order is None else order.tolist()
+        k = wt.shape[0]
         for b0 in range(0, k, block):
             b1 = min(b0 + block, k)
-            w_block = w[:, b0:b1].clone()
-            errors = torch.empty_like(w_block)
-            h_block = hinv[b0:b1, b0:b1]
-            for i in range(b1 - b0):
-                column = columns[b0 + i]
-                if column not in self.scales and column % self.width == 0:
-                    # a group's scales come from its columns as updated so far (all in this block)
-                    group = w_block[:, i : i + self.width]
-                    self.scales[column] = quantize(
-                        group, self.fmt, self.g, global_scale=self.global_scale
-                    ).scale
-                values = w_block[:, i]
-                rounded = self.round_column(column, values)
-                self.rounded[:, column] = rounded
-                err = (values - rounded) / h_block[i, i]
-                w_block[:, i:].addr_(err, h_block[i, i:], alpha=-1.0)
-                errors[:, i] = err
-            w[:, b1:].addmm_(errors, hinv[b0:b1, b1:], alpha=-1.0)
+            with _one_thread():
+                errors = self._round_block(wt[b0:b1], hinv[b0:b1, b0:b1], columns[b0:b1])
+            wt[b1:].addmm_(hinv[b0:b1, b1:].t(), errors, alpha=-1.0)
+
+    def _round_block(self, rows: torch.Tensor, h_block: torch.Tensor, columns: list[int]) -> torch.Tensor:
+        """Round the columns of one block (`rows`: their transposed values, updated in place); returns
+        the scaled errors [block, N] the later columns are updated with."""
+        errors = torch.empty_like(rows)
+        for i, column in enumerate(columns):
+            if column not in self.scales and column % self.width == 0:
+                # a group's scales come from its columns as updated so far (all in this block)
+                group = rows[i : i + self.width].t()
+                self.scales[column] = quantize(group, self.fmt, self.g, global_scale=self.global_scale).scale
+            values = rows[i]
+            rounded = self.round_column(column, values)
+            self.rounded[:, column] = rounded
+            err = (values - rounded) / h_block[i, i]
+            rows[i:].addr_(h_block[i, i:], err, alpha=-1.0)
+            errors[i] = err
+        return errors
 
     def scale_grid(self, n: int) -> torch.Tensor:
         """The scales of all groups as the granularity's grid for the whole weight."""
         return torch.cat([self.scales[c0] for c0 in sorted(self.scales)], dim=1)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _expand_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
