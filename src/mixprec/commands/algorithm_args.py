@@ -13,8 +13,9 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("algorithms (docs/algorithms.md)")
     group.add_argument(
         "--algorithm", default=RTN, metavar="NAME[,NAME]",
-        help=f"rtn: round to nearest (default); gptq: GPTQ on --calib-data, every Linear rounded with its "
-        f"scheme's own scale rule (known: {', '.join(ALGORITHMS)})",
+        help="rtn: round to nearest (default); gptq: GPTQ on --calib-data, every Linear rounded with its "
+        "scheme's own scale rule; scale-search: FP4 / MX block scales of least squared error (4 over 6 "
+        f"included; with gptq: the scales GPTQ rounds with) (known: {', '.join(ALGORITHMS)})",
     )  # fmt: skip
     defaults = GptqParams()
     group.add_argument("--gptq-damp", type=float, default=defaults.damp, metavar="FRACTION",

@@ -273,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _algorithm_line(record: dict) -> str:
     """One line: what ran, and the calibration output error it reached against round to nearest."""
+    if "layers" not in record:  # data-free (scale-search alone): nothing was calibrated
+        return f"{'+'.join(record['names'])}: every quantized Linear's block scales searched (no calibration)"
     layers = record["layers"].values()
     ratio = statistics.median(
         r["output_error"] / r["output_error_rtn"] for r in layers if r["output_error_rtn"] > 0

@@ -132,14 +132,14 @@ def derive_candidate(reference: Side, scheme: str, calib_batches: list[torch.Ten
 def algorithm_summary(record: dict) -> dict:
     """What an evaluation records of the algorithm that rounded its candidate: the record without its
     per-layer table, and the median over layers of the calibration output error against round to
-    nearest's."""
+    nearest's (None for data-free algorithms, which record no layers)."""
     errors = sorted(
         r["output_error"] / r["output_error_rtn"]
-        for r in record["layers"].values()
+        for r in record.get("layers", {}).values()
         if r["output_error_rtn"] > 0
     )
     summary = {k: v for k, v in record.items() if k != "layers"}
-    summary["layers"] = len(record["layers"])
+    summary["layers"] = len(record.get("layers", {}))
     summary["median_output_error_vs_rtn"] = errors[len(errors) // 2] if errors else None
     return summary
 

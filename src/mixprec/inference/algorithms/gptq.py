@@ -33,6 +33,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import get_format
+from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
 from mixprec.quantization import quantize
 from mixprec.scaling import Granularity, QuantizedTensor, as_2d
 
@@ -81,10 +82,13 @@ def gptq_quantize(
     scale: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
     name: str = "weight",
+    search: bool = False,
 ) -> GptqResult:
     """GPTQ-round `weight` [N, K] for the layer inputs' Hessian [K, K]; see the module docstring.
     scale: a fixed per-tensor scale (fp8-static's fused groups); global_scale: NVFP4's, shared by a
-    fused group. Inputs are not modified."""
+    fused group. search: each group's block scales from the scale search (scale_search.py) instead of
+    round to nearest's (NVFP4: global_scale is then the search's, with its headroom). Inputs are not
+    modified."""
     fmt_ = get_format(fmt)
     w = _check(weight, hessian, granularity, name)
     n, k = w.shape
@@ -97,6 +101,7 @@ def gptq_quantize(
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
     if global_scale is None and granularity.scale_format == "e4m3":
         global_scale = quantize(weight.detach().float(), fmt_, granularity).global_scale
+        global_scale = search_global_scale(global_scale) if search else global_scale
     width = k if granularity.block_cols is None else min(granularity.block_cols, k)
     # scales fixed up front: with activation order, a given scale, or one group over all of K (chosen
     # at column 0, before any update: the same as up front); else chosen as each group is reached
@@ -104,9 +109,9 @@ def gptq_quantize(
     # in the weight's own dtype: "input" scale math (compressed-tensors') rounds amax / max to it
     source = weight.detach().clone()
     source[:, dead] = 0
-    fixed = _group_scales(source, fmt_, granularity, width, scale, global_scale) if up_front else {}
+    fixed = _group_scales(source, fmt_, granularity, width, scale, global_scale, search) if up_front else {}
     hinv = _inverse_cholesky(h if order is None else h[order][:, order], name)
-    solver = _Solver(w, fmt_, granularity, width, fixed, global_scale)
+    solver = _Solver(w, fmt_, granularity, width, fixed, global_scale, search)
     solver.run(hinv, order, block if width == k else max(width, block - block % width))
     q = quantize(solver.rounded, fmt_, granularity, scale=solver.scale_grid(n), global_scale=global_scale)
     return GptqResult(q, solver.clipped, int(dead.sum()), damp_abs)
@@ -140,23 +145,31 @@ def _inverse_cholesky(h: torch.Tensor, name: str) -> torch.Tensor:
     return upper
 
 
-def _group_scales(w, fmt, g, width, scale, global_scale) -> dict[int, torch.Tensor]:
+def _group_scales(w, fmt, g, width, scale, global_scale, search) -> dict[int, torch.Tensor]:
     """{first column of a group: its scale column} fixed from w (or the given per-tensor scale)."""
     if scale is not None:
         return {0: torch.as_tensor(scale, dtype=torch.float32).reshape(1, 1)}
     return {
-        c0: quantize(w[:, c0 : c0 + width], fmt, g, global_scale=global_scale).scale
+        c0: _scales_of(w[:, c0 : c0 + width], fmt, g, global_scale, search)
         for c0 in range(0, w.shape[1], width)
     }
+
+
+def _scales_of(group, fmt, g, global_scale, search) -> torch.Tensor:
+    """A group's block scales: round to nearest's, or the scale search's."""
+    if search:
+        return search_scales(group, fmt, g, global_scale=global_scale).scale
+    return quantize(group, fmt, g, global_scale=global_scale).scale
 
 
 class _Solver:
     """The column loop: each column rounded with its group's scales, the error spread by H^-1."""
 
-    def __init__(self, w, fmt, g, width, fixed, global_scale) -> None:
+    def __init__(self, w, fmt, g, width, fixed, global_scale, search) -> None:
         self.w, self.fmt, self.g, self.width = w, fmt, g, width
         self.scales = dict(fixed)  # {first column of a group: [row blocks, 1] scales}
         self.global_scale = global_scale
+        self.search = search
         self.rounded = torch.empty_like(w)
         self.clipped = 0
 
@@ -190,7 +203,7 @@ class _Solver:
             if column not in self.scales and column % self.width == 0:
                 # a group's scales come from its columns as updated so far (all in this block)
                 group = rows[i : i + self.width].t()
-                self.scales[column] = quantize(group, self.fmt, self.g, global_scale=self.global_scale).scale
+                self.scales[column] = _scales_of(group, self.fmt, self.g, self.global_scale, self.search)
             values = rows[i]
             rounded = self.round_column(column, values)
             self.rounded[:, column] = rounded

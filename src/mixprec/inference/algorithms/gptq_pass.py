@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize
+from mixprec.inference.algorithms.scale_search import search_global_scale
 from mixprec.inference.algorithms.spec import AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.layerwise import Captured
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
@@ -48,8 +49,10 @@ class GptqPass:
     each one's QuantizedTensor (what the writer stores), `layers` its record, `warnings` what the
     caller should say (too few tokens for a Hessian)."""
 
-    def __init__(self, schemes: Mapping[str, InferenceScheme], params: GptqParams, weight_dtype: torch.dtype):
+    def __init__(self, schemes: Mapping[str, InferenceScheme], params: GptqParams, weight_dtype: torch.dtype,
+                 search: bool = False):  # fmt: skip
         self.schemes = dict(schemes)
+        self.search = search  # group scales from the scale search (scale_search.py)
         self.params = params
         self.weight_dtype = weight_dtype
         self.groups = input_groups(list(self.schemes))
@@ -124,9 +127,15 @@ class GptqPass:
             sch, w = self.schemes[m], weights[m]
             started = time.perf_counter()
             scale, global_scale = shared.get(m, (None, None))
+            searched = (
+                search_global_scale(global_scale)
+                if self.search and global_scale is not None
+                else global_scale
+            )
             result = gptq_quantize(
                 w, hessian, sch.fmt.name, sch.weight_granularity, damp=self.params.damp, block=self.params.block,
-                act_order=self.params.act_order, scale=scale, global_scale=global_scale, name=f"{m}.weight",
+                act_order=self.params.act_order, scale=scale, global_scale=searched, name=f"{m}.weight",
+                search=self.search,
             )  # fmt: skip
             seconds = time.perf_counter() - started
             q = result.quantized

@@ -14,11 +14,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.errors import MixprecError
+from mixprec.inference.algorithms.scale_search import SCALE_FACTORS, searchable
 
 RTN = "rtn"
 GPTQ = "gptq"
-# Each name with its place in the run order (lower runs first).
-RUN_ORDER: dict[str, int] = {RTN: 90, GPTQ: 90}
+SCALE_SEARCH = "scale-search"
+# Each name with its place in the run order (lower runs first): the scale search chooses the block
+# scales GPTQ then rounds with.
+RUN_ORDER: dict[str, int] = {RTN: 90, SCALE_SEARCH: 80, GPTQ: 90}
+DATA_FREE = (SCALE_SEARCH,)  # algorithms that need no calibration data
 ALGORITHMS = tuple(RUN_ORDER)
 
 
@@ -80,9 +84,21 @@ class AlgorithmSpec:
         return GPTQ in self.names
 
     @property
+    def uses_scale_search(self) -> bool:
+        return SCALE_SEARCH in self.names
+
+    @property
     def needs_data(self) -> bool:
-        """Every algorithm but round to nearest learns from calibration data."""
-        return bool(self.names)
+        """Every algorithm but round to nearest and the scale search learns from calibration data."""
+        return any(n not in DATA_FREE for n in self.names)
+
+    def check_scheme(self, scheme: Any) -> None:
+        """MixprecError when an algorithm does not apply to `scheme` (an InferenceScheme)."""
+        if self.uses_scale_search and not searchable(scheme.weight_granularity):
+            raise MixprecError(
+                f"--algorithm {SCALE_SEARCH} chooses FP4 / MX block scales; scheme {scheme.name} has "
+                f"{scheme.weight_granularity.name} weight scales (use nvfp4, nvfp4a16, mxfp4, mxfp4a16 or mxfp8)"
+            )
 
     @property
     def label(self) -> str:
@@ -90,9 +106,21 @@ class AlgorithmSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"names": list(self.names) or [RTN]}
+        if self.uses_scale_search:
+            out["scale_search"] = {"nvfp4_factors": list(SCALE_FACTORS), "nvfp4_global_scale_for": 256.0,
+                                   "mx_exponents": [-1, 0, 1]}  # fmt: skip
         if self.uses_gptq:
             out["gptq"] = asdict(self.gptq)
         return out
 
 
-__all__ = ["ALGORITHMS", "GPTQ", "RTN", "RUN_ORDER", "AlgorithmSpec", "GptqParams"]
+__all__ = [
+    "ALGORITHMS",
+    "DATA_FREE",
+    "GPTQ",
+    "RTN",
+    "RUN_ORDER",
+    "SCALE_SEARCH",
+    "AlgorithmSpec",
+    "GptqParams",
+]

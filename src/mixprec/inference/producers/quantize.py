@@ -110,6 +110,8 @@ def quantize_checkpoint(
     )  # fmt: skip
     selection = select(job, source, report)
     calibration = calibrate_job(job, source, selection, report)
+    if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
+        report.algorithm = job.algorithm.to_dict()
     plan = plan_tensors(job, source.ckpt, selection, calibration)
     return write(job, source, selection, calibration, plan, report)
 
@@ -196,7 +198,8 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
     stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
-                        *nvfp4_groups(ckpt, selection.targets, schemes), calibration.prequantized)  # fmt: skip
+                        *nvfp4_groups(ckpt, selection.targets, schemes), calibration.prequantized,
+                        job.algorithm.uses_scale_search)  # fmt: skip
 
     def write_tensors(writer: PlannedShardWriter) -> None:
         stream_tensors(ckpt, writer, stream, layers, report, job.progress)
@@ -215,7 +218,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
         job.output_dir, force=job.force, planned=plan.tensors, max_shard_size=job.max_shard_bytes,
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
         config=lambda: _output_config(job, source.config, selection),
-        side_files=lambda tmp: _side_files(job, tmp, calibration), scales=scales,
+        side_files=lambda tmp: _side_files(job, tmp, report), scales=scales,
     )  # fmt: skip
     report.weight_bytes_after = sum(t.nbytes for t in plan.tensors)
     for name, (kind, why) in selection.kept.items():
@@ -229,15 +232,13 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     return report
 
 
-def _side_files(job: QuantizeJob, tmp: Path, calibration: Calibration) -> list[str]:
+def _side_files(job: QuantizeJob, tmp: Path, report: ConversionReport) -> list[str]:
     """The input's side files, and the algorithm's record when one ran."""
     from mixprec import __version__
 
     copied = copy_side_files(job.model_dir, tmp, skip={ALGORITHM_FILE})
-    if calibration.algorithm is not None:
-        doc = algorithm_document(
-            {"scheme": job.scheme.name, **calibration.algorithm}, f"mixprec {__version__}"
-        )
+    if report.algorithm is not None:
+        doc = algorithm_document({"scheme": job.scheme.name, **report.algorithm}, f"mixprec {__version__}")
         copied.append(write_algorithm_file(tmp, doc))
     return copied
 

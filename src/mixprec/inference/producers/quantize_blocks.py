@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mixprec.inference.algorithms.gptq_pass import rounding_stats
+from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale, layer_tensors
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.inference.checkpoint.scales_file import compact_entry
@@ -40,7 +42,7 @@ def nvfp4_groups(
 
 def quantize_group_task(
     reader: ShardReader, infos: list, shapes: list[tuple[int, int]], schemes: list[InferenceScheme],
-    in_amax: list[float | None], in_pool, out_pool, dtype: torch.dtype,
+    in_amax: list[float | None], in_pool, out_pool, dtype: torch.dtype, search: bool = False,
 ) -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]]:  # fmt: skip
     """The NVFP4 weights of one fused GEMM (or one weight alone), each read once: their amax gives the
     shared global scale (block_tensors.fused_global_scales, in `dtype`), then each is quantized from
@@ -52,7 +54,7 @@ def quantize_group_task(
         amax = {m: _finite_amax(w, info.name) for m, w, info in zip(modules, ws, infos)}
         shared = fused_global_scales(amax, dtype)
         return {
-            m: _quantize_read(w, info, m, shape, sch, a, out_pool, shared[m])
+            m: _quantize_read(w, info, m, shape, sch, a, out_pool, shared[m], search)
             for m, w, info, shape, sch, a in zip(modules, ws, infos, shapes, schemes, in_amax)
         }
     finally:
@@ -77,21 +79,30 @@ def quantize_block_task(
     in_amax: float | None,
     in_pool,
     out_pool,
+    search: bool = False,
 ) -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]]:
     """quantize._quantize_task for a block scheme without a shared global scale (MX): {module: (output
     tensors in plan order, report entry, payload buffer to release once written)}."""
     buf = in_pool.get()
     try:
         return {
-            module: _quantize_read(reader.get(info, out=buf), info, module, shape, sch, in_amax, out_pool)
+            module: _quantize_read(
+                reader.get(info, out=buf), info, module, shape, sch, in_amax, out_pool, search=search
+            )
         }
     finally:
         in_pool.release(buf)
 
 
-def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=None):
-    """One weight already read: (output tensors, report entry, payload buffer)."""
+def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=None, search=False):
+    """One weight already read: (output tensors, report entry, payload buffer); search: its block
+    scales from the scale search (scale_search.py), the global scale with the search's headroom."""
     payload = out_pool.get()
+    if search:
+        check_finite(w, info.name)
+        g = search_global_scale(global_scale) if global_scale is not None else None
+        q = search_scales(w, sch.fmt, sch.weight_granularity, global_scale=g)
+        return (*block_outputs(q, rounding_stats(w, q), info, module, shape, sch, in_amax), payload)
     dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
     data = payload[: w.numel()].view(dtype).view(shape)
     q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)

@@ -98,7 +98,8 @@ def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPa
         )
     dtypes = {source.ckpt.tensors[f"{n}.weight"].dtype for n in selection.targets}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype)
+    return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype,
+                    search=job.algorithm.uses_scale_search)  # fmt: skip
 
 
 def _gptq_record(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], seconds: float,

@@ -83,6 +83,8 @@ class QuantizeJob:
         rest["algorithm"] = AlgorithmSpec.parse(rest.get("algorithm"))
         job = cls(Path(model_dir), Path(output_dir), sch, assignment, resolve_ignore(ignore, defaults=default_ignore),
                   kv_cache=bool(kv_cache), max_shard_bytes=parse_size(max_shard_size), **rest)  # fmt: skip
+        for s in (assignment or {sch.name: sch}).values():
+            job.algorithm.check_scheme(s)
         if job.calibrates:
             calibrated = job.calibrated_schemes
             if job.calib_data is None:

@@ -54,6 +54,7 @@ class StreamPlan:
     global_dtype: torch.dtype = torch.float32
     # Linears an algorithm (GPTQ) has already rounded: written as they are, the weight read for statistics
     prequantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    scale_search: bool = False  # block scales from the scale search (--algorithm scale-search)
 
 
 def stream_tensors(
@@ -149,12 +150,13 @@ class _TaskQueue:
                     quantize_group_task, self.reader, [self.ckpt.tensors[f"{m}.weight"] for m in group],
                     [p.targets[m] for m in group], [p.schemes[m] for m in group],
                     [p.input_amax.get(m) for m in group], self.in_pool, self.out_pool, p.global_dtype,
+                    p.scale_search,
                 )  # fmt: skip
                 self.groups[group] = fut
             else:
                 fut = self.pool.submit(
                     _quantize_task, self.reader, info, module, p.targets[module], p.schemes[module], p.layout,
-                    p.input_amax.get(module), self.in_pool, self.out_pool,
+                    p.input_amax.get(module), self.in_pool, self.out_pool, p.scale_search,
                 )  # fmt: skip
             self.pending.append((info, module, fut))
             self.in_flight += len(group) if group is not None else 1
@@ -221,11 +223,12 @@ def _quantize_task(
     in_amax: float | None,
     in_pool: _BufferPool,
     out_pool: _BufferPool,
+    search: bool = False,
 ) -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict[str, Any], torch.Tensor]]:
     """Read and quantize one Linear weight (on a worker thread): {module: (the output tensors in plan
     order, its scales-file entry, the payload buffer to release once written)}."""
     if not sch.is_fp8:
-        return quantize_block_task(reader, info, module, shape, sch, in_amax, in_pool, out_pool)
+        return quantize_block_task(reader, info, module, shape, sch, in_amax, in_pool, out_pool, search)
     buf = in_pool.get()
     try:
         w = reader.get(info, out=buf)

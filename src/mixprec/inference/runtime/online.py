@@ -15,8 +15,9 @@ from torch import nn
 
 from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3
+from mixprec.formats import E4M3, check_float_tensor
 from mixprec.inference.algorithms.gptq_pass import GptqPass, rounding_stats
+from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
 from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.layerwise import calibrate_blockwise
@@ -97,6 +98,7 @@ def apply_scheme_(
     """
     sch = InferenceScheme.from_name(scheme)
     spec = AlgorithmSpec.parse(algorithm)
+    spec.check_scheme(sch)
     patterns = resolve_ignore(ignore, defaults=default_ignore)
     targets, skipped = linear_targets(model, sch, patterns)
     modules = dict(model.named_modules())
@@ -131,6 +133,9 @@ def apply_scheme_(
             input_amax = _calibrate_inputs(model, batches(), missing, observer, stop, report)
     was_training = model.training
     weight_globals = _weight_global_scales(modules, targets, sch, param_dtype)
+    if spec.uses_scale_search and not prequantized:
+        prequantized = _search_scales(modules, targets, sch, weight_globals)
+        report.algorithm = spec.to_dict()
     for name in targets:
         _swap_linear(model, modules, name, sch, layers_in.get(name, {}), input_amax, weight_globals.get(name),
                      report, prequantized.get(name))  # fmt: skip
@@ -157,6 +162,21 @@ def _weight_global_scales(modules: dict[str, nn.Module], targets: list[str], sch
     return fused_global_scales(amax, dtype)
 
 
+def _search_scales(modules: dict[str, nn.Module], targets: list[str], sch: InferenceScheme,
+                   weight_globals: dict[str, torch.Tensor]) -> dict[str, QuantizedTensor]:  # fmt: skip
+    """Every target rounded with the scale search's block scales (NVFP4: the shared global scales
+    with the search's headroom)."""
+    out = {}
+    for name in targets:
+        g = weight_globals.get(name)
+        w = modules[name].weight.detach()
+        check_float_tensor(w, f"{name}.weight")
+        out[name] = search_scales(
+            w, sch.fmt, sch.weight_granularity, global_scale=None if g is None else search_global_scale(g)
+        )
+    return out
+
+
 def _calibrate_inputs(model: nn.Module, batches: Iterable[Any], names: list[str], observer: str,
                       stop: StopRule | None, report: ConversionReport) -> dict[str, float]:  # fmt: skip
     """The static input amax of `names` (calibration stops once they settle); recorded in the report."""
@@ -175,7 +195,7 @@ def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: Inf
     if any(not isinstance(b, torch.Tensor) or b.is_floating_point() for b in batches):
         raise MixprecError("algorithm='gptq' on a live model takes calib_data as token-id tensors [batch, seq] "
                            "(or a text path with tokenizer=)")  # fmt: skip
-    gptq = GptqPass(dict.fromkeys(targets, sch), spec.gptq, dtype)
+    gptq = GptqPass(dict.fromkeys(targets, sch), spec.gptq, dtype, search=spec.uses_scale_search)
     static = targets if sch.needs_calibration else []
     result = calibrate_blockwise(model, batches, static, observer=observer, block_pass=gptq)
     for message in gptq.warnings():
