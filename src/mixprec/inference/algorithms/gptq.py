@@ -16,7 +16,8 @@ for bit (tested), and the checkpoint writer re-encodes the result with the same 
 - NVFP4's global scale comes from the whole original weight (or is given: fused q/k/v share one);
   a per-tensor scale (fp8-static) is fixed up front, or given (fused groups share the max).
 - Updates can push a value past its group's scale times the format's maximum: the quantizer saturates
-  it (clamps); the count of such elements is reported as `clipped`.
+  it (clamps); the count of such elements beyond what the scale rule's own rounding clips
+  (Granularity.clip_headroom) is reported as `clipped`.
 - Dead input columns (zero Hessian diagonal: an input that was always 0) get weight 0 and diagonal 1.
 - Dampening: `damp` times the mean of the diagonal is added to it (default 1 %); a Hessian that is still
   not positive definite raises a MixprecError naming the layer.
@@ -176,7 +177,10 @@ class _Solver:
     def round_column(self, column: int, values: torch.Tensor) -> torch.Tensor:
         scale = self.scales[column - column % self.width]
         q = quantize(values[:, None], self.fmt, self.g, scale=scale, global_scale=self.global_scale)
-        limit = self.fmt.max * _expand_rows(q.effective_scale(), values.shape[0])
+        # beyond what the scale rule's own rounding clips (Granularity.clip_headroom): what the updates pushed
+        limit = (
+            self.fmt.max * self.g.clip_headroom(self.fmt) * _expand_rows(q.effective_scale(), values.shape[0])
+        )
         self.clipped += int((values.abs() > limit).sum())
         return q.dequantize()[:, 0]
 

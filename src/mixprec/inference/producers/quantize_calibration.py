@@ -108,7 +108,7 @@ def _gptq_record(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], 
     for message in gptq.warnings():
         report.warn(message, depth=2)
     record = gptq.record(job.algorithm, batches, seconds, str(job.calib_data))
-    report.algorithm = record
+    report.algorithm = {**(report.algorithm or {}), **record}  # the folds' records kept
     report.notes.append(f"GPTQ: {len(gptq.results)} Linears on {record['tokens']} calibration tokens")
     return record
 
