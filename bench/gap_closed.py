@@ -1,0 +1,64 @@
+"""How much of round to nearest's perplexity gap an algorithm closes, from two `mixprec evaluate --json`
+files scored on the same blocks against the same reference (paired 95 % bootstrap over blocks).
+
+    python bench/gap_closed.py e-rtn.json e-gptq.json [e-other.json ...]
+
+For each candidate after the first: its perplexity change against the reference, and the fraction of
+the first candidate's gap it closes, 1 - (ppl_c / ppl_ref - 1) / (ppl_rtn / ppl_ref - 1). Both come
+with intervals from one paired bootstrap over the blocks: each block's token NLL sums, as evaluate
+stores them (`per_sample`: lm.block_reference_nll, lm.block_candidate_nll, lm.block_tokens), are
+resampled together, so the three models see the same resampled blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from mixprec.verdicts import paired_bootstrap
+
+
+def _blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    doc = json.loads(path.read_text())
+    per = doc["per_sample"]
+    ref, cand, tokens = (torch.tensor(per[f"lm.block_{k}"], dtype=torch.float64)
+                         for k in ("reference_nll", "candidate_nll", "tokens"))  # fmt: skip
+    return ref, cand, tokens, doc["candidate"]["source"]
+
+
+def _ppl(nll: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.exp(nll.sum(-1) / tokens.sum(-1))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("baseline", type=Path, help="round to nearest's evaluate --json")
+    p.add_argument("candidates", type=Path, nargs="+")
+    args = p.parse_args()
+    ref, base, tokens, base_name = _blocks(args.baseline)
+    print("| candidate | perplexity change [95 %] | share of the baseline's gap closed [95 %] |")
+    print("|---|---:|---:|")
+    gap0 = paired_bootstrap(lambda r, b, t: _ppl(b, t) / _ppl(r, t) - 1, ref, base, tokens)
+    print(f"| {base_name} | {gap0.estimate:+.1%} [{gap0.low:+.1%}, {gap0.high:+.1%}] | (baseline) |")
+    for path in args.candidates:
+        ref_c, cand, tokens_c, name = _blocks(path)
+        if not (torch.equal(ref_c, ref) and torch.equal(tokens_c, tokens)):
+            raise SystemExit(
+                f"{path}: not scored on the same blocks with the same reference as {args.baseline}"
+            )
+
+        def closed(r, b, c, t):
+            return 1 - (_ppl(c, t) / _ppl(r, t) - 1) / (_ppl(b, t) / _ppl(r, t) - 1)
+
+        gap = paired_bootstrap(lambda r, c, t: _ppl(c, t) / _ppl(r, t) - 1, ref, cand, tokens)
+        share = paired_bootstrap(closed, ref, base, cand, tokens)
+        print(f"| {name} | {gap.estimate:+.1%} [{gap.low:+.1%}, {gap.high:+.1%}] | "
+              f"{share.estimate:.1%} [{share.low:.1%}, {share.high:.1%}] |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
