@@ -5,6 +5,8 @@ refused untouched, and a rotated model survives save_pretrained / from_pretraine
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from inference_helpers import VOCAB, rel_err, tiny_llama
@@ -255,7 +257,24 @@ def test_save_and_reload_keeps_logits(tmp_path):
     model.save_pretrained(tmp_path)
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.config.tie_word_embeddings is False
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
     assert reloaded.lm_head.weight is not reloaded.model.embed_tokens.weight
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)  # the untied head was saved
     assert torch.equal(_logits(reloaded, ids), rotated)
     assert rel_err(rotated, reference) < 1e-5
+
+
+def test_config_saying_tied_is_cleared_even_when_tensors_are_separate(tmp_path):
+    """A head with its own tensor under a config that says tied: an engine that follows the config (vLLM
+    takes the embedding as the head when tie_word_embeddings is true) would serve the rotated embedding
+    as the head, unless the saved config says untied."""
+    model = _with_norm_weights(tiny_llama(tie_word_embeddings=True))
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    ids = _ids()
+    reference = _logits(model, ids)
+    record = rotate_model_(model)
+    assert record["untied_lm_head"] is False and model.config.tie_word_embeddings is False
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert rel_err(_logits(reloaded, ids), reference) < 1e-5

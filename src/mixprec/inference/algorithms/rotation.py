@@ -134,7 +134,9 @@ def _linear(parent: nn.Module, name: str, where: str) -> nn.Linear:
         found = "missing" if child is None else f"a {type(child).__name__}, not an nn.Linear"
         raise MixprecError(f"rotate: {where}.{name} is {found}: block structure not recognised")
     if not child.weight.is_floating_point() or child.weight.is_meta:
-        raise MixprecError(f"rotate: {where}.{name} has no floating-point weight in memory ({child.weight.dtype})")
+        raise MixprecError(
+            f"rotate: {where}.{name} has no floating-point weight in memory ({child.weight.dtype})"
+        )
     return child
 
 
@@ -149,7 +151,9 @@ def _check_rms_norm(norm: Any, where: str, hidden: int) -> nn.Module:
             "rotation needs RMSNorm models (Llama, Qwen2/3, Mistral)"
         )
     if getattr(norm, "bias", None) is not None:
-        raise MixprecError(f"rotate: {where} ({type(norm).__name__}) has a bias: it does not commute with a rotation")
+        raise MixprecError(
+            f"rotate: {where} ({type(norm).__name__}) has a bias: it does not commute with a rotation"
+        )
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (hidden,):
         raise MixprecError(f"rotate: {where} ({type(norm).__name__}) has no weight of shape ({hidden},)")
@@ -160,7 +164,10 @@ def _check_rms_norm(norm: Any, where: str, hidden: int) -> nn.Module:
         xf = x.float()
         expected = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
     tolerance = 2e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
-    if got.shape != expected.shape or float((got - expected).norm() / expected.norm().clamp_min(1e-30)) > tolerance:
+    if (
+        got.shape != expected.shape
+        or float((got - expected).norm() / expected.norm().clamp_min(1e-30)) > tolerance
+    ):
         raise MixprecError(
             f"rotate: {where} ({type(norm).__name__}) does not compute weight * x / rms(x) (a LayerNorm, "
             "or an RMSNorm with a weight offset): no rotation commutes with it"
@@ -186,13 +193,19 @@ def _check_layer(index: int, layer: nn.Module, hidden: int) -> _Layer:
                                   (mlp, (*READERS_MLP, "down_proj"), "mlp")):  # fmt: skip
         extra = [c for c in _param_children(module) if c not in allowed]
         if extra:
-            raise MixprecError(f"rotate: {where}.{name} has modules the rotation does not know: {', '.join(extra)}")
+            raise MixprecError(
+                f"rotate: {where}.{name} has modules the rotation does not know: {', '.join(extra)}"
+            )
     for n in (*READERS_ATTN, *READERS_MLP):
         if linears[n].in_features != hidden:
-            raise MixprecError(f"rotate: {where}.{n} reads {linears[n].in_features} features, not the hidden {hidden}")
+            raise MixprecError(
+                f"rotate: {where}.{n} reads {linears[n].in_features} features, not the hidden {hidden}"
+            )
     for n in ("o_proj", "down_proj"):
         if linears[n].out_features != hidden:
-            raise MixprecError(f"rotate: {where}.{n} writes {linears[n].out_features} features, not the hidden {hidden}")
+            raise MixprecError(
+                f"rotate: {where}.{n} writes {linears[n].out_features} features, not the hidden {hidden}"
+            )
     return _Layer(
         index,
         _check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", hidden),
@@ -226,7 +239,9 @@ def _plan(model: nn.Module) -> _Plan:
         raise MixprecError(f"rotate: lm_head reads {head.in_features} features, not the hidden {hidden}")
     extra = [c for c in _param_children(decoder) if c not in ("embed_tokens", "layers", "norm")]
     if extra:
-        raise MixprecError(f"rotate: model has modules with weights the rotation does not know: {', '.join(extra)}")
+        raise MixprecError(
+            f"rotate: model has modules with weights the rotation does not know: {', '.join(extra)}"
+        )
     final_norm = _check_rms_norm(getattr(decoder, "norm", None), "model.norm", hidden)
     checked = [_check_layer(i, layer, hidden) for i, layer in enumerate(layers)]
     for layer in checked:
@@ -239,41 +254,47 @@ def _plan(model: nn.Module) -> _Plan:
     return _Plan(embed, head, final_norm, checked, hidden, head_dim, num_heads, num_kv, tied)
 
 
-def _block_diag(r: torch.Tensor, blocks: int) -> torch.Tensor:
-    return torch.block_diag(*([r] * blocks))
-
-
 @torch.no_grad()
 def _set_(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
 
+def _rotate_row_blocks(w: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """R2^T applied to each head_dim block of rows (v_proj's output heads): [heads*hd, ...] fp64."""
+    hd = r2.shape[0]
+    blocks = w.reshape(w.shape[0] // hd, hd, -1)
+    return torch.matmul(r2.t(), blocks).reshape(w.shape)
+
+
 @torch.no_grad()
-def _rotate_reader_(linear: nn.Linear, scale: torch.Tensor | None, r1: torch.Tensor, left: torch.Tensor | None = None) -> None:
-    """W <- left^T (W diag(scale)) R1, in fp64 in row chunks (left: a block-diagonal R2 of v_proj, whose
-    rows are rotated, as is its bias)."""
+def _rotate_reader_(
+    linear: nn.Linear, scale: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor | None = None
+) -> None:
+    """W <- (W diag(scale)) R1, in fp64 in row chunks; with r2 (v_proj) each head's rows are rotated
+    too, W <- R2^T W per head block, and so is its bias."""
     weight = linear.weight
-    if left is not None:  # v_proj: small (kv heads x head_dim rows), done whole
-        w = weight.double() * (scale.double() if scale is not None else 1.0)
-        _set_(weight, left.to(w.device).t() @ (w @ r1.to(w.device)))
-        if linear.bias is not None:
-            _set_(linear.bias, left.to(w.device).t() @ linear.bias.double())
-        return
     r = r1.to(weight.device)
-    s = scale.double().to(weight.device) if scale is not None else None
+    s = scale.double().to(weight.device)
+    if r2 is not None:  # v_proj: kv heads x head_dim rows, done whole
+        r2 = r2.to(weight.device)
+        _set_(weight, _rotate_row_blocks((weight.double() * s) @ r, r2))
+        if linear.bias is not None:
+            _set_(linear.bias, _rotate_row_blocks(linear.bias.double()[:, None], r2)[:, 0])
+        return
     for start in range(0, weight.shape[0], CHUNK_ROWS):
-        rows = weight[start : start + CHUNK_ROWS].double()
-        _set_(weight[start : start + CHUNK_ROWS], (rows * s if s is not None else rows) @ r)
+        rows = weight[start : start + CHUNK_ROWS]
+        _set_(rows, (rows.double() * s) @ r)
 
 
 @torch.no_grad()
-def _rotate_writer_(linear: nn.Linear, r1: torch.Tensor, right: torch.Tensor | None = None) -> None:
-    """W <- R1^T W right, b <- R1^T b (right: o_proj's block-diagonal R2 on its input)."""
+def _rotate_writer_(linear: nn.Linear, r1: torch.Tensor, r2: torch.Tensor | None = None) -> None:
+    """W <- R1^T W, b <- R1^T b; with r2 (o_proj) each head block of its input columns W <- W R2."""
     w = linear.weight.double()
     r = r1.to(w.device)
     rotated = r.t() @ w
-    if right is not None:
-        rotated = rotated @ right.to(w.device)
+    if r2 is not None:
+        hd = r2.shape[0]
+        rotated = (rotated.reshape(w.shape[0], -1, hd) @ r2.to(w.device)).reshape(w.shape)
     _set_(linear.weight, rotated)
     if linear.bias is not None:
         _set_(linear.bias, r.t() @ linear.bias.double())
@@ -281,7 +302,12 @@ def _rotate_writer_(linear: nn.Linear, r1: torch.Tensor, right: torch.Tensor | N
 
 @torch.no_grad()
 def _untie_(model: nn.Module, plan: _Plan) -> None:
-    plan.head.weight = nn.Parameter(plan.embed.weight.detach().clone(), requires_grad=plan.embed.weight.requires_grad)
+    """A head sharing the embedding's tensor gets a copy; the config says untied in any case (a
+    config that says tied would tie the rotated head to the rotated embedding again on loading)."""
+    if plan.tied:
+        plan.head.weight = nn.Parameter(
+            plan.embed.weight.detach().clone(), requires_grad=plan.embed.weight.requires_grad
+        )
     config = getattr(model, "config", None)
     if config is not None:
         config.tie_word_embeddings = False
@@ -299,19 +325,19 @@ def rotate_model_(model: nn.Module, seed: int = 0, r2: bool = True) -> dict[str,
     plan = _plan(model)
     r1 = orthogonal_matrix(plan.hidden, seed)
     r2_matrix = orthogonal_matrix(plan.head_dim, seed + 1) if r2 else None
-    if plan.tied:
-        _untie_(model, plan)
+    _untie_(model, plan)
     embed = plan.embed.weight
     for start in range(0, embed.shape[0], CHUNK_ROWS):
-        _set_(embed[start : start + CHUNK_ROWS], embed[start : start + CHUNK_ROWS].double() @ r1.to(embed.device))
-    v_left = _block_diag(r2_matrix, plan.num_kv_heads) if r2_matrix is not None else None
-    o_right = _block_diag(r2_matrix, plan.num_heads) if r2_matrix is not None else None
+        _set_(
+            embed[start : start + CHUNK_ROWS],
+            embed[start : start + CHUNK_ROWS].double() @ r1.to(embed.device),
+        )
     for layer in plan.layers:
         g_attn, g_mlp = layer.input_norm.weight.detach().clone(), layer.post_norm.weight.detach().clone()
         _rotate_reader_(layer.q, g_attn, r1)
         _rotate_reader_(layer.k, g_attn, r1)
-        _rotate_reader_(layer.v, g_attn, r1, left=v_left)
-        _rotate_writer_(layer.o, r1, right=o_right)
+        _rotate_reader_(layer.v, g_attn, r1, r2_matrix)
+        _rotate_writer_(layer.o, r1, r2_matrix)
         _rotate_reader_(layer.gate, g_mlp, r1)
         _rotate_reader_(layer.up, g_mlp, r1)
         _rotate_writer_(layer.down, r1)
