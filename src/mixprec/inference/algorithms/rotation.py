@@ -28,6 +28,12 @@ of the activation inside the MLP (SpinQuant's R4, QuaRot's online Hadamard), whi
 their outliers and the gain is mostly where R1 and R2 reach. Neither is the query/key path (R3): it sits
 after RoPE and would also need an online transform.
 
+Measured (bench/rotation_perplexity.py, SmolLM2-135M, RTN): rotation made every FP4 scheme worse there,
+weight-only included. The inputs of q/k/v and gate/up carry one massive channel (a third to a half of
+their energy); before rotation its weights are small and FP4 rounds them with small errors, after R1
+that energy meets every weight's full rounding error. Rotation is for activation outliers and pairs
+with GPTQ (SpinQuant, QuaRot); alone on a weight-only scheme it is not a win by default.
+
 Refused, with a MixprecError before anything is changed: a model whose norms are not RMSNorm (a
 LayerNorm subtracts the mean and adds a bias: no rotation commutes with it), an RMSNorm with a bias or
 with a weight offset (Gemma's 1 + w: its forward is probed, not its class name), and any block structure
@@ -302,8 +308,8 @@ def _rotate_writer_(linear: nn.Linear, r1: torch.Tensor, r2: torch.Tensor | None
 
 @torch.no_grad()
 def _untie_(model: nn.Module, plan: _Plan) -> None:
-    """A head sharing the embedding's tensor gets a copy; the config says untied in any case (a
-    config that says tied would tie the rotated head to the rotated embedding again on loading)."""
+    """A head sharing the embedding's tensor gets a copy; the config says untied in any case (an engine
+    that follows a config saying tied, as vLLM does, would serve the rotated embedding as the head)."""
     if plan.tied:
         plan.head.weight = nn.Parameter(
             plan.embed.weight.detach().clone(), requires_grad=plan.embed.weight.requires_grad
