@@ -110,9 +110,13 @@ def gptq_quantize(
     # in the weight's own dtype: "input" scale math (compressed-tensors') rounds amax / max to it
     source = weight.detach().clone()
     source[:, dead] = 0
-    fixed = _group_scales(source, fmt_, granularity, width, scale, global_scale, search) if up_front else {}
+    # the search weighs each input column by its Hessian diagonal (the mean square of that input)
+    importance = torch.diagonal(hessian).detach().float().clone() if search else None
+    fixed = (
+        _group_scales(source, fmt_, granularity, width, scale, global_scale, importance) if up_front else {}
+    )
     hinv = _inverse_cholesky(h if order is None else h[order][:, order], name)
-    solver = _Solver(w, fmt_, granularity, width, fixed, global_scale, search)
+    solver = _Solver(w, fmt_, granularity, width, fixed, global_scale, importance)
     solver.run(hinv, order, block if width == k else max(width, block - block % width))
     q = quantize(solver.rounded, fmt_, granularity, scale=solver.scale_grid(n), global_scale=global_scale)
     return GptqResult(q, solver.clipped, int(dead.sum()), damp_abs)
@@ -146,31 +150,33 @@ def _inverse_cholesky(h: torch.Tensor, name: str) -> torch.Tensor:
     return upper
 
 
-def _group_scales(w, fmt, g, width, scale, global_scale, search) -> dict[int, torch.Tensor]:
+def _group_scales(w, fmt, g, width, scale, global_scale, importance) -> dict[int, torch.Tensor]:
     """{first column of a group: its scale column} fixed from w (or the given per-tensor scale)."""
     if scale is not None:
         return {0: torch.as_tensor(scale, dtype=torch.float32).reshape(1, 1)}
     return {
-        c0: _scales_of(w[:, c0 : c0 + width], fmt, g, global_scale, search)
+        c0: _scales_of(w[:, c0 : c0 + width], fmt, g, global_scale, importance, c0)
         for c0 in range(0, w.shape[1], width)
     }
 
 
-def _scales_of(group, fmt, g, global_scale, search) -> torch.Tensor:
-    """A group's block scales: round to nearest's, or the scale search's."""
-    if search:
-        return search_scales(group, fmt, g, global_scale=global_scale).scale
+def _scales_of(group, fmt, g, global_scale, importance, c0) -> torch.Tensor:
+    """A group's block scales: round to nearest's, or (importance: the Hessian diagonal) the scale
+    search's, each column weighted by its diagonal."""
+    if importance is not None:
+        weights = importance[c0 : c0 + group.shape[1]]
+        return search_scales(group, fmt, g, global_scale=global_scale, column_weights=weights).scale
     return quantize(group, fmt, g, global_scale=global_scale).scale
 
 
 class _Solver:
     """The column loop: each column rounded with its group's scales, the error spread by H^-1."""
 
-    def __init__(self, w, fmt, g, width, fixed, global_scale, search) -> None:
+    def __init__(self, w, fmt, g, width, fixed, global_scale, importance) -> None:
         self.w, self.fmt, self.g, self.width = w, fmt, g, width
         self.scales = dict(fixed)  # {first column of a group: [row blocks, 1] scales}
         self.global_scale = global_scale
-        self.search = search
+        self.importance = importance  # the scale search's column weights (None: round to nearest's scales)
         self.rounded = torch.empty_like(w)
         self.clipped = 0
 
@@ -207,7 +213,9 @@ class _Solver:
             if column not in self.scales and column % self.width == 0:
                 # a group's scales come from its columns as updated so far (all in this block)
                 group = rows[i : i + self.width].t()
-                self.scales[column] = _scales_of(group, self.fmt, self.g, self.global_scale, self.search)
+                self.scales[column] = _scales_of(
+                    group, self.fmt, self.g, self.global_scale, self.importance, column
+                )
             values = rows[i]
             rounded = self.round_column(column, values)
             self.rounded[:, column] = rounded

@@ -43,21 +43,28 @@ def search_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
 
 
 def search_scales(
-    w: torch.Tensor, fmt: Format, g: Granularity, *, global_scale: torch.Tensor | None = None
+    w: torch.Tensor,
+    fmt: Format,
+    g: Granularity,
+    *,
+    global_scale: torch.Tensor | None = None,
+    column_weights: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """`w` [N, K] quantized with, per block, the candidate scale of least squared error (ties: the
     round-to-nearest scale). NVFP4: `global_scale` as used (search_global_scale of the
-    round-to-nearest one; fused shards share it); None: computed so from w. Inputs are not modified."""
+    round-to-nearest one; fused shards share it); None: computed so from w. column_weights [K]: each
+    input column's weight in the error (GPTQ passes its Hessian's diagonal, the mean square of that
+    input: the error measured on the layer's output, not on the weight). Inputs are not modified."""
     if not searchable(g):
         raise MixprecError(f"scale search covers 1-D FP4 / MX blocks, not {g.name} scales")
     if g.scale_format == "e4m3" and global_scale is None:
         global_scale = search_global_scale(quantize(w, fmt, g).global_scale)
     base = quantize(w, fmt, g, global_scale=global_scale)
     x = w.detach().float()
-    best_scale, best_err = base.scale, _block_errors(x, base)
+    best_scale, best_err = base.scale, _block_errors(x, base, column_weights)
     for candidate in _candidates(base.scale, g):
         q = quantize(w, fmt, g, scale=candidate, global_scale=global_scale)
-        err = _block_errors(x, q)
+        err = _block_errors(x, q, column_weights)
         better = err < best_err
         best_scale = torch.where(better, candidate, best_scale)
         best_err = torch.where(better, err, best_err)
@@ -74,11 +81,13 @@ def _candidates(scale: torch.Tensor, g: Granularity) -> list[torch.Tensor]:
     return out
 
 
-def _block_errors(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    """Squared rounding error per block, on the scale grid [N, K / block]."""
+def _block_errors(x: torch.Tensor, q: QuantizedTensor, column_weights: torch.Tensor | None) -> torch.Tensor:
+    """Squared rounding error per block (each column's weighted), on the scale grid [N, K / block]."""
     n, k = x.shape
     width = q.granularity.block_cols
     err = (q.dequantize() - x).square()
+    if column_weights is not None:
+        err = err * column_weights.float().reshape(1, k)
     pad = (-k) % width
     if pad:
         err = torch.nn.functional.pad(err, (0, pad))
