@@ -13,10 +13,15 @@ Block by block (the calibration walk, calibration/layerwise.py, with a BlockPass
     keep the alpha of least error
 
 alpha = 0 is s = 1, round to nearest: a mapping whose best alpha is 0 is left alone (its weights keep
-their bits), so scales are kept only where they lower the measured error. Every mapping of a block is
-searched on the block's original weights (as AutoAWQ), then the chosen scales are folded (folds.py)
-and the model stays an ordinary one: the checkpoint written from it is served unchanged. The next block
-is calibrated on this block's outputs, which the folds leave unchanged up to rounding.
+their bits), so scales are kept only where they lower the measured error.
+
+Each mapping is folded (folds.py) as soon as it is searched, the Linear -> Linear mappings of a block
+(v -> o, up -> down) before the norm ones: a Linear -> Linear fold rescales the rows of v_proj / up_proj,
+which the norm mappings then quantize, so this way every search rounds exactly the weights the folded
+model ends with (searching all on the original weights, as AutoAWQ does, lets a later row scaling undo
+an earlier choice: measured on MXFP4, whose power-of-two block scales it moves). The model stays an
+ordinary one: the checkpoint written from it is served unchanged. The next block is calibrated on this
+block's outputs, which the folds leave unchanged up to rounding.
 
 The record gives per mapping the chosen alpha and the parent's relative output error (MSE over the mean
 square of the unquantized output) at alpha 0 (`error_before`) and at the chosen alpha (`error_after`).
@@ -33,6 +38,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.inference.algorithms.folds import (
+    LINEAR,
     BlockMappings,
     FoldMapping,
     block_mappings,
@@ -56,8 +62,8 @@ def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mappi
     if not isinstance(n_grid, int) or n_grid < 1:
         raise MixprecError(f"AWQ n_grid must be a positive number of grid points, got {n_grid!r}")
     check_token_batches(batches)
-    resolved = _check_schemes(model, schemes)
     found = block_mappings(model)
+    resolved = _check_schemes(model, schemes)
     if not any(n in resolved for m in found.mappings for n in m.linears):
         raise MixprecError(
             "AWQ scales the Linears that follow a norm or a projection inside the decoder blocks; none of them "
@@ -119,8 +125,8 @@ class AwqPass:
     def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
               rerun: Callable[[nn.Module, Captured], Captured]) -> Captured:  # fmt: skip
         modules = dict(self.model.named_modules())
-        chosen = []
-        for m in self._active(own):
+        # Linear -> Linear first: their folds rescale rows that the norm mappings then round
+        for m in sorted(self._active(own), key=lambda m: m.kind != LINEAR):
             x_mean = self._abs_sum[m.linears[0]] / self._rows[m.linears[0]]
             alpha, s, before, after = self._search(m, x_mean, modules)
             self.mappings[m.name] = {
@@ -128,9 +134,7 @@ class AwqPass:
                 "error_before": before, "error_after": after, "folded": alpha > 0,
             }  # fmt: skip
             if alpha > 0:
-                chosen.append((m, s))
-        for m, s in chosen:  # every mapping was searched on the block's original weights
-            fold_scales_(self.model, m, s)
+                fold_scales_(self.model, m, s)
         self._inputs.clear()
         self._abs_sum.clear()
         self._rows.clear()
