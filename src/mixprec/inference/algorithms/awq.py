@@ -6,9 +6,11 @@ Block by block (the calibration walk, calibration/layerwise.py, with a BlockPass
     x_mean  = mean |x| per input channel of the following Linears' input, over the calibration tokens
     for alpha in 0, 1/n, ..., (n-1)/n:
         s = x_mean^alpha (at least 1e-4), normalised: s / sqrt(max(s) min(s))
-        each following Linear's weight -> RTN(W * s) / s   (its scheme's own round to nearest:
-                                                           schemes.quantize_weight, fused q/k/v and
-                                                           gate/up sharing their scales as the writer does)
+        each following Linear's weight -> RTN(W * s) / s   (its scheme's own round to nearest: the one
+                                                           quantize entry with the scheme's format and
+                                                           granularity, as schemes.quantize_weight without
+                                                           its statistics; fused q/k/v and gate/up share
+                                                           their scales as the writer shares them)
         error = MSE of the parent's output on the block's cached inputs against its unquantized output
     keep the alpha of least error
 
@@ -47,7 +49,8 @@ from mixprec.inference.algorithms.folds import (
 )
 from mixprec.inference.algorithms.gptq_pass import shared_scales
 from mixprec.inference.calibration.layerwise import Captured, calibrate_blockwise
-from mixprec.inference.schemes import InferenceScheme, quantize_weight
+from mixprec.inference.schemes import InferenceScheme
+from mixprec.quantization import quantize
 
 NOT_QUANTIZED = "none of its Linears is quantized"
 
@@ -198,7 +201,8 @@ class AwqPass:
         out = {}
         for n, w in scaled.items():
             scale, global_scale = fixed.get(n, (None, None))
-            q, _ = quantize_weight(w, self.schemes[n], f"{n}.weight", scale, global_scale=global_scale)
+            sch = self.schemes[n]
+            q = quantize(w, sch.fmt, sch.weight_granularity, scale=scale, global_scale=global_scale)
             out[n] = (q.dequantize() / s[None, :]).to(w.dtype)
         return out
 
