@@ -26,7 +26,10 @@ ordinary one: the checkpoint written from it is served unchanged. The next block
 block's outputs, which the folds leave unchanged up to rounding.
 
 The record gives per mapping the chosen alpha and the parent's relative output error (MSE over the mean
-square of the unquantized output) at alpha 0 (`error_before`) and at the chosen alpha (`error_after`).
+square of the unquantized output) at alpha 0 (`error_before`: round to nearest of the weights as they
+stand when the mapping is searched, i.e. after the block's Linear -> Linear folds) and at the chosen
+alpha (`error_after`). Only weights are rounded in the search, also for the schemes that quantize
+activations (as AutoAWQ and llm-compressor search).
 """
 
 from __future__ import annotations
@@ -195,7 +198,9 @@ class AwqPass:
 
     def _rounded(self, originals: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torch.Tensor]:
         """{Linear: RTN(W * s) / s in the weight's dtype}, fused shards sharing their scales."""
-        scaled = {n: (w.float() * s[None, :]).to(w.dtype) for n, w in originals.items()}
+        # W * s as the fold computes it (fp64, one rounding to the weight's dtype)
+        s64 = s.double()[None, :]
+        scaled = {n: (w.double() * s64).to(w.dtype) for n, w in originals.items()}
         amax = {n: float(w.abs().amax()) for n, w in scaled.items()}
         fixed = shared_scales(tuple(scaled), amax, self.schemes, self.dtype)
         out = {}
