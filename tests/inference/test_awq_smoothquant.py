@@ -370,10 +370,14 @@ def _gemma():
         ("float batch", "token ids"),
         ("attention only unquantized", "none of them"),
         ("alpha", "alpha"),
+        ("nan weight", "NaN"),
     ],
 )
 def test_bad_input_is_refused_before_any_change(case, match):
     model = {"gpt2": _gpt2, "gemma": _gemma}.get(case, tiny_llama)()
+    if case == "nan weight":
+        with torch.no_grad():  # in the last block: the first would be folded before it is met
+            model.model.layers[1].mlp.down_proj.weight[3, 7] = float("nan")
     linears = _quantized_linears(model, "nvfp4a16")
     batches = _batches(n=1)
     runs = {

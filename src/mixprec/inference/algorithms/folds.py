@@ -30,6 +30,7 @@ from torch import nn
 from torch.func import functional_call
 
 from mixprec.errors import MixprecError
+from mixprec.inference.schemes import check_finite
 
 NORM = "norm"
 LINEAR = "linear"
@@ -75,7 +76,8 @@ class BlockMappings:
 
 def block_mappings(model: nn.Module) -> BlockMappings:
     """Every decoder block's mappings; MixprecError (nothing changed) when the model has no Llama-like
-    RMSNorm blocks or a block's norm is not a plain scaling by its weight."""
+    RMSNorm blocks, a block's norm is not a plain scaling by its weight, or a weight to fold holds
+    NaN or inf."""
     modules = dict(model.named_modules())
     blocks = [name for name in modules if _is_llama_block(modules, name)]
     if not blocks:
@@ -101,7 +103,11 @@ def block_mappings(model: nn.Module) -> BlockMappings:
                 skipped[m.name] = why
             else:
                 mappings.append(m)
-    return BlockMappings(tuple(mappings), skipped)
+    found = BlockMappings(tuple(mappings), skipped)
+    for m in found.mappings:  # a NaN met halfway would leave the earlier blocks folded
+        for name in (m.previous, *m.linears):
+            check_finite(modules[name].weight.detach(), f"{name}.weight")
+    return found
 
 
 def _is_llama_block(modules: dict[str, nn.Module], name: str) -> bool:
