@@ -122,7 +122,7 @@ class GptqPass:
                      modules: dict[str, nn.Module]) -> None:  # fmt: skip
         weights = {m: modules[m].weight for m in group}
         amax = {m: float(w.detach().abs().amax()) for m, w in weights.items()}
-        shared = _shared_scales(group, amax, self.schemes, self.weight_dtype)
+        shared = shared_scales(group, amax, self.schemes, self.weight_dtype)
         for m in group:
             sch, w = self.schemes[m], weights[m]
             started = time.perf_counter()
@@ -160,7 +160,7 @@ PROPAGATION = {
 }
 
 
-def _shared_scales(group: tuple[str, ...], amax: dict[str, float], schemes: Mapping[str, InferenceScheme],
+def shared_scales(group: tuple[str, ...], amax: dict[str, float], schemes: Mapping[str, InferenceScheme],
                    dtype: torch.dtype) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:  # fmt: skip
     """{Linear: (fixed per-tensor scale, NVFP4 global scale)} shared across a fused group."""
     out: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
@@ -192,4 +192,4 @@ def _output_error(weight: torch.Tensor, rounded: torch.Tensor, hessian: torch.Te
     return num / den if den > 0 else 0.0
 
 
-__all__ = ["PROPAGATION", "GptqPass", "input_groups", "rounding_stats"]
+__all__ = ["PROPAGATION", "GptqPass", "input_groups", "rounding_stats", "shared_scales"]

@@ -1,0 +1,123 @@
+"""SmoothQuant (Xiao et al., 2023): move activation outliers into the weights before quantizing both.
+
+Per mapping whose previous op is a norm (norm -> q/k/v, norm -> gate/up) and up_proj -> down_proj
+(folds.py), from the largest |x_j| each input channel j reached on the calibration batches and the
+largest |W_ij| of column j over the following Linears:
+
+    s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)
+
+then the fold divides channel j of the previous op's output by s_j and multiplies the Linears' column j
+by it: the activations' channel maxima become max|X_j|^(1-alpha) max|W_:,j|^(1-alpha), far flatter. A
+channel that never fired or whose weights are all zero keeps s_j = 1.
+
+It helps only schemes that quantize activations (W8A8 / W4A4); for weight-only ones it only makes the
+weights harder to round: `smoothquant_applies(scheme)` gives the reason the caller refuses it.
+v_proj -> o_proj is not smoothed (as in SmoothQuant and llm-compressor's Llama mappings).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError
+from mixprec.inference.algorithms.folds import (
+    NORM,
+    FoldMapping,
+    block_mappings,
+    check_token_batches,
+    fold_scales_,
+)
+from mixprec.inference.schemes import InferenceScheme
+from mixprec.kernels.bf16_cpu import gemms_in_fp32
+
+
+def smoothquant_applies(scheme: str | InferenceScheme) -> str | None:
+    """Why SmoothQuant does not apply to `scheme`, or None when it does (the scheme quantizes
+    activations: fp8-dynamic, fp8-static, fp8-block, nvfp4, mxfp4, mxfp8)."""
+    sch = InferenceScheme.from_name(scheme)
+    if sch.input_format is None:
+        return (
+            f"smoothquant moves activation outliers into the weights, for schemes that quantize activations "
+            f"(W8A8 / W4A4); {sch.name} quantizes weights only, where it only makes the weights harder to round"
+        )
+    return None
+
+
+def smoothquant_model_(
+    model: nn.Module, batches: Sequence[torch.Tensor], alpha: float = 0.5
+) -> dict[str, Any]:
+    """Smooth every norm -> Linears and up_proj -> down_proj mapping of `model` in place; returns the
+    record: alpha, and per mapping the activations' max/median ratio over channels before and after
+    (the max of each channel, computed from the observed maxima and s). MixprecError, before any
+    change, for a model without Llama-like RMSNorm blocks, alpha outside [0, 1] or bad batches."""
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise MixprecError(f"SmoothQuant alpha (migration strength) must be in [0, 1], got {alpha}")
+    check_token_batches(batches)
+    found = block_mappings(model)
+    mappings = [m for m in found.mappings if m.kind == NORM or m.previous.endswith("up_proj")]
+    started = time.perf_counter()
+    x_max = _activation_max(model, mappings, batches)
+    modules = dict(model.named_modules())
+    record: dict[str, Any] = {}
+    for m in mappings:
+        w_max = torch.stack([modules[n].weight.detach().abs().amax(dim=0).float() for n in m.linears]).amax(
+            dim=0
+        )
+        s = smoothing_scales(x_max[m.linears[0]], w_max, alpha)
+        fold_scales_(model, m, s)
+        smoothed = x_max[m.linears[0]] / s
+        record[m.name] = {"max_over_median_before": _spread(x_max[m.linears[0]]),
+                          "max_over_median_after": _spread(smoothed)}  # fmt: skip
+    skipped = {**found.skipped, **{m.name: "SmoothQuant smooths norm -> Linears and up_proj -> down_proj only"
+                                   for m in found.mappings if m not in mappings}}  # fmt: skip
+    return {"algorithm": "smoothquant", "alpha": float(alpha), "mappings": record, "skipped": skipped,
+            "tokens": sum(b.numel() for b in batches), "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip
+
+
+def smoothing_scales(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = x_max^alpha / w_max^(1-alpha) per channel (fp32), 1 where either maximum is 0."""
+    x, w = x_max.float(), w_max.float()
+    live = (x > 0) & (w > 0)
+    s = x.clamp_min(1e-30).pow(alpha) / w.clamp_min(1e-30).pow(1.0 - alpha)
+    return torch.where(live, s, torch.ones_like(s))
+
+
+def _activation_max(model: nn.Module, mappings: list[FoldMapping], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{first following Linear: max |x| per input channel} over every calibration batch (fp32)."""
+    modules = dict(model.named_modules())
+    maxima: dict[str, torch.Tensor] = {}
+
+    def observe(name: str):
+        def hook(_m, args):
+            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0).float()
+            maxima[name] = torch.maximum(maxima[name], x) if name in maxima else x
+
+        return hook
+
+    handles = [modules[m.linears[0]].register_forward_pre_hook(observe(m.linears[0])) for m in mappings]
+    was_training = model.training
+    model.eval()
+    try:
+        # bf16 GEMMs in fp32 on CPUs without fast bf16, as calibration runs them (same values, faster)
+        with torch.no_grad(), gemms_in_fp32(model):
+            for b in batches:
+                model(input_ids=b, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return maxima
+
+
+def _spread(channel_max: torch.Tensor) -> float:
+    """max over channels / median over channels of the per-channel maxima."""
+    med = float(channel_max.median())
+    return float(channel_max.max()) / med if med > 0 else float("inf")
+
+
+__all__ = ["smoothing_scales", "smoothquant_applies", "smoothquant_model_"]
