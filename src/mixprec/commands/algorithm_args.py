@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from mixprec.inference.algorithms.spec import ALGORITHMS, RTN, AlgorithmSpec, GptqParams
+from mixprec.inference.algorithms.spec import ALGORITHMS, RTN, AlgorithmSpec, FoldParams, GptqParams
 
 
 def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,8 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         "--algorithm", default=RTN, metavar="NAME[,NAME]",
         help="rtn: round to nearest (default); gptq: GPTQ on --calib-data, every Linear rounded with its "
         "scheme's own scale rule; scale-search: FP4 / MX block scales of least squared error (4 over 6 "
-        f"included; with gptq: the scales GPTQ rounds with) (known: {', '.join(ALGORITHMS)})",
+        "included; with gptq: the scales GPTQ rounds with); rotate, smoothquant, awq: folds written into the "
+        f"weights before calibration; several run in that order (known: {', '.join(ALGORITHMS)})",
     )  # fmt: skip
     defaults = GptqParams()
     group.add_argument("--gptq-damp", type=float, default=defaults.damp, metavar="FRACTION",
@@ -31,12 +32,25 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPTQ: calibrate each block on the outputs of the blocks before it with their weights rounded "
         "(default on); --no-sequential: on the unquantized outputs",
     )  # fmt: skip
+    add_fold_arguments(group)
+
+
+def add_fold_arguments(group: argparse._ArgumentGroup) -> None:
+    """The parameters of the folds (rotate, smoothquant, awq)."""
+    folds = FoldParams()
+    group.add_argument("--rotate-seed", type=int, default=folds.seed, metavar="N",
+                       help=f"rotate: seed of the random orthogonal matrices (default {folds.seed})")  # fmt: skip
+    group.add_argument("--smoothquant-alpha", type=float, default=folds.alpha, metavar="A",
+                       help=f"smoothquant: migration strength in [0, 1] (default {folds.alpha})")  # fmt: skip
+    group.add_argument("--awq-grid", type=int, default=folds.n_grid, metavar="N",
+                       help=f"awq: grid points of the scale exponent in [0, 1) (default {folds.n_grid})")  # fmt: skip
 
 
 def algorithm_spec(args: argparse.Namespace) -> AlgorithmSpec:
     """--algorithm and its parameters, checked before any work."""
     return AlgorithmSpec.parse(args.algorithm, damp=args.gptq_damp, block=args.gptq_block,
-                               act_order=args.act_order, sequential=args.sequential)  # fmt: skip
+                               act_order=args.act_order, sequential=args.sequential, seed=args.rotate_seed,
+                               alpha=args.smoothquant_alpha, n_grid=args.awq_grid)  # fmt: skip
 
 
 __all__ = ["add_algorithm_arguments", "algorithm_spec"]

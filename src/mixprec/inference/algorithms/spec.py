@@ -9,20 +9,26 @@ activation / KV-cache calibration (observed after the folds) -> GPTQ (the roundi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.errors import MixprecError
 from mixprec.inference.algorithms.scale_search import SCALE_FACTORS, searchable
+from mixprec.inference.algorithms.smoothquant import smoothquant_applies
 
 RTN = "rtn"
 GPTQ = "gptq"
 SCALE_SEARCH = "scale-search"
-# Each name with its place in the run order (lower runs first): the scale search chooses the block
-# scales GPTQ then rounds with.
-RUN_ORDER: dict[str, int] = {RTN: 90, SCALE_SEARCH: 80, GPTQ: 90}
-DATA_FREE = (SCALE_SEARCH,)  # algorithms that need no calibration data
+ROTATE = "rotate"
+SMOOTHQUANT = "smoothquant"
+AWQ = "awq"
+FOLDS = (ROTATE, SMOOTHQUANT, AWQ)  # model-wide transforms written into the weights before calibration
+# Each name with its place in the run order (lower runs first): the folds, then the scale search
+# that chooses the block scales GPTQ then rounds with.
+RUN_ORDER: dict[str, int] = {ROTATE: 10, SMOOTHQUANT: 20, AWQ: 30, RTN: 90, SCALE_SEARCH: 80, GPTQ: 90}
+DATA_FREE = (SCALE_SEARCH, ROTATE)  # algorithms that need no calibration data
 ALGORITHMS = tuple(RUN_ORDER)
 
 
@@ -49,16 +55,36 @@ class GptqParams:
 
 
 @dataclass(frozen=True)
+class FoldParams:
+    """seed: of the rotation's random signs / orthogonal factor (R1 from seed, R2 from seed + 1); r2:
+    rotate each head's value/output too; alpha: SmoothQuant's migration strength; n_grid: AWQ's grid
+    points for its exponent in [0, 1)."""
+
+    seed: int = 0
+    r2: bool = True
+    alpha: float = 0.5
+    n_grid: int = 20
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise MixprecError(f"SmoothQuant alpha must be in [0, 1], got {self.alpha}")
+        if self.n_grid < 1:
+            raise MixprecError(f"AWQ grid must have at least 1 point, got {self.n_grid}")
+
+
+@dataclass(frozen=True)
 class AlgorithmSpec:
     """The algorithms of one quantization in run order (empty: round to nearest) and their parameters."""
 
     names: tuple[str, ...] = ()
     gptq: GptqParams = field(default_factory=GptqParams)
+    folds: FoldParams = field(default_factory=FoldParams)
 
     @classmethod
-    def parse(cls, algorithm: str | Sequence[str] | AlgorithmSpec | None, **gptq: Any) -> AlgorithmSpec:
-        """From "gptq", "rtn", a comma list or a sequence of names (None: rtn); `gptq`: GptqParams
-        fields. MixprecError for an unknown or repeated name, or rtn named beside another algorithm."""
+    def parse(cls, algorithm: str | Sequence[str] | AlgorithmSpec | None, **params: Any) -> AlgorithmSpec:
+        """From "gptq", "rtn", a comma list or a sequence of names (None: rtn); `params`: GptqParams and
+        FoldParams fields. MixprecError for an unknown or repeated name, or rtn named beside another
+        algorithm."""
         if isinstance(algorithm, AlgorithmSpec):
             return algorithm
         if algorithm is None:
@@ -77,7 +103,16 @@ class AlgorithmSpec:
                 f"'rtn' is round to nearest alone; it cannot run beside {', '.join(w for w in words if w != RTN)}"
             )
         names = tuple(sorted((w for w in words if w != RTN), key=lambda w: RUN_ORDER[w]))
-        return cls(names, GptqParams(**{k: v for k, v in gptq.items() if v is not None}))
+        given = {k: v for k, v in params.items() if v is not None}
+        fold_keys = {f.name for f in dataclasses.fields(FoldParams)}
+        unknown_keys = set(given) - fold_keys - {f.name for f in dataclasses.fields(GptqParams)}
+        if unknown_keys:
+            raise MixprecError(f"unknown algorithm parameter(s): {', '.join(sorted(unknown_keys))}")
+        return cls(
+            names,
+            GptqParams(**{k: v for k, v in given.items() if k not in fold_keys}),
+            FoldParams(**{k: v for k, v in given.items() if k in fold_keys}),
+        )
 
     @property
     def uses_gptq(self) -> bool:
@@ -94,6 +129,8 @@ class AlgorithmSpec:
 
     def check_scheme(self, scheme: Any) -> None:
         """MixprecError when an algorithm does not apply to `scheme` (an InferenceScheme)."""
+        if SMOOTHQUANT in self.names and (why := smoothquant_applies(scheme)):
+            raise MixprecError(f"--algorithm {SMOOTHQUANT}: {why}")
         if self.uses_scale_search and not searchable(scheme.weight_granularity):
             raise MixprecError(
                 f"--algorithm {SCALE_SEARCH} chooses FP4 / MX block scales; scheme {scheme.name} has "
@@ -111,6 +148,11 @@ class AlgorithmSpec:
                                    "mx_exponents": [-1, 0, 1]}  # fmt: skip
         if self.uses_gptq:
             out["gptq"] = asdict(self.gptq)
+        fold = asdict(self.folds)
+        params = {ROTATE: ("seed", "r2"), SMOOTHQUANT: ("alpha",), AWQ: ("n_grid",)}
+        for name in self.names:
+            if name in params:
+                out[name.replace("-", "_")] = {k: fold[k] for k in params[name]}
         return out
 
 

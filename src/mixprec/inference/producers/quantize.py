@@ -17,6 +17,7 @@ a weight that is no Linear's, fused 3-D experts).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from mixprec.inference.checkpoint.scales_file import build_document
 from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, PLAIN, apply_assignment
 from mixprec.inference.producers.quantize_blocks import nvfp4_groups
 from mixprec.inference.producers.quantize_calibration import Calibration, calibrate_job
+from mixprec.inference.producers.quantize_folds import folded
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, resolve
 from mixprec.inference.producers.quantize_stream import StreamPlan, stream_tensors
 from mixprec.inference.schemes import (
@@ -108,12 +110,21 @@ def quantize_checkpoint(
         recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
         param_dtype=str(source.config.get("dtype") or source.config.get("torch_dtype")), output=str(job.output_dir),
     )  # fmt: skip
-    selection = select(job, source, report)
-    calibration = calibrate_job(job, source, selection, report)
-    if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
-        report.algorithm = job.algorithm.to_dict()
-    plan = plan_tensors(job, source.ckpt, selection, calibration)
-    return write(job, source, selection, calibration, plan, report)
+    with folded(job, source, report, _scratch_selection) as (job, source):
+        selection = select(job, source, report)
+        calibration = calibrate_job(job, source, selection, report)
+        if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
+            report.algorithm = job.algorithm.to_dict()
+        plan = plan_tensors(job, source.ckpt, selection, calibration)
+        return write(job, source, selection, calibration, plan, report)
+
+
+def _scratch_selection(job: QuantizeJob, source: Source) -> Selection:
+    """The selection of the unfolded input, its warnings left out (the folded model's selection,
+    made after the folds, reports them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return select(job, source, ConversionReport(recipe="", kind="", device="cpu", param_dtype=""))
 
 
 def select(job: QuantizeJob, source: Source, report: ConversionReport) -> Selection:

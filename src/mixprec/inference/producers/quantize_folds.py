@@ -1,0 +1,86 @@
+"""The fold stage of an offline quantization (`--algorithm rotate`, `smoothquant`, `awq`): transforms
+of the weights that leave the model's function unchanged in exact arithmetic and make it easier to
+round. They run first, in the order rotate -> smoothquant -> awq (spec.RUN_ORDER). Calibration and
+GPTQ then see the folded model.
+
+The model is loaded whole, folded in place, and saved in its own dtype (safetensors, with the input's
+side files) to a temporary directory beside the output. The rest of the pipeline reads that
+directory as its input, and it is removed when the quantization ends, however it ends. The written
+checkpoint is an ordinary one (rotation unties a tied head: config.json says so), served unchanged by
+the engines. Memory: the whole model, where the other stages hold one block at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from mixprec.conversion import ConversionReport
+from mixprec.hf import load_model, load_tokenizer, transformers_progress
+from mixprec.inference.algorithms.awq import awq_model_
+from mixprec.inference.algorithms.rotation import rotate_model_
+from mixprec.inference.algorithms.smoothquant import smoothquant_model_
+from mixprec.inference.algorithms.spec import FOLDS, ROTATE, SMOOTHQUANT
+from mixprec.inference.calibration.data import token_batches
+from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
+from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
+
+
+@contextmanager
+def folded(job: QuantizeJob, source: Source, report: ConversionReport,
+           selection_of: Callable[[QuantizeJob, Source], Selection]) -> Iterator[tuple[QuantizeJob, Source]]:  # fmt: skip
+    """(the job and source the rest of the pipeline reads): the input itself when no fold is asked,
+    else the folded model's temporary directory, removed on exit; the folds' records in the report's
+    `algorithm` (`folds`). selection_of(job, source): the Linears and their schemes (AWQ rounds each
+    with its own)."""
+    folds = [n for n in job.algorithm.names if n in FOLDS]
+    if not folds:
+        yield job, source
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f".{job.output_dir.name}.folded-", dir=job.output_dir.parent))
+    try:
+        record = _fold_into(job, source, selection_of(job, source), folds, tmp)
+        report.algorithm = {**job.algorithm.to_dict(), "folds": record}
+        report.notes.append(f"folded ({', '.join(folds)}) before calibration; the folded model was written "
+                            "to a temporary directory and read from there")  # fmt: skip
+        new_job = dataclasses.replace(job, model_dir=tmp)
+        yield new_job, Source(open_checkpoint(tmp), read_source_config(tmp), source.texts)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fold_into(job: QuantizeJob, source: Source, selection: Selection, folds: list[str],
+               tmp: Path) -> dict[str, Any]:  # fmt: skip
+    """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready)."""
+    with transformers_progress(job.progress):
+        model = load_model(job.model_dir, dtype="auto").eval()
+    batches = None
+    if any(f != ROTATE for f in folds):
+        batches = token_batches(
+            source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len
+        )
+    params = job.algorithm.folds
+    record: dict[str, Any] = {}
+    for name in folds:
+        if name == ROTATE:
+            rec = rotate_model_(model, seed=params.seed, r2=params.r2)
+            rec = {k: v for k, v in rec.items() if k != "matrices"}  # fp64 matrices: rebuilt from the seed
+        elif name == SMOOTHQUANT:
+            rec = smoothquant_model_(model, batches, alpha=params.alpha)
+        else:  # AWQ: its search rounds with each target's own scheme
+            rec = awq_model_(
+                model, batches, {n: selection.schemes[n] for n in selection.targets}, n_grid=params.n_grid
+            )
+        record[name] = rec
+    with transformers_progress(job.progress):
+        model.save_pretrained(tmp, safe_serialization=True)
+    copy_side_files(job.model_dir, tmp, skip={p.name for p in tmp.iterdir()})
+    return record
+
+
+__all__ = ["folded"]
