@@ -213,4 +213,6 @@ def test_online_gptq_refuses_what_it_cannot_use(llama_dir):
         mixprec.quantize_model_(model, "fp8-dynamic", algorithm="gptq")
     with pytest.raises(MixprecError, match="token-id tensors"):
         mixprec.quantize_model_(model, "fp8-dynamic", calib_data=[torch.randn(2, 8, 128)], algorithm="gptq")
+    with pytest.raises(MixprecError, match="the folds run in `mixprec quantize`"):
+        mixprec.quantize_model_(model, "nvfp4a16", algorithm="rotate")
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())

@@ -18,7 +18,7 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, check_float_tensor
 from mixprec.inference.algorithms.gptq_pass import GptqPass, rounding_stats
 from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
-from mixprec.inference.algorithms.spec import AlgorithmSpec
+from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.layerwise import calibrate_blockwise
 from mixprec.inference.calibration.run import StopRule, calibrate
@@ -99,6 +99,9 @@ def apply_scheme_(
     sch = InferenceScheme.from_name(scheme)
     spec = AlgorithmSpec.parse(algorithm)
     spec.check_scheme(sch)
+    if folds := [n for n in spec.names if n in FOLDS]:
+        raise MixprecError(f"{', '.join(folds)}: the folds run in `mixprec quantize` / quantize_checkpoint "
+                           "(they rewrite the checkpoint); on a live model: gptq, scale-search")  # fmt: skip
     patterns = resolve_ignore(ignore, defaults=default_ignore)
     targets, skipped = linear_targets(model, sch, patterns)
     modules = dict(model.named_modules())
