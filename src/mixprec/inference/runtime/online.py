@@ -97,11 +97,7 @@ def apply_scheme_(
     recorded in `report.algorithm`.
     """
     sch = InferenceScheme.from_name(scheme)
-    spec = AlgorithmSpec.parse(algorithm)
-    spec.check_scheme(sch)
-    if folds := [n for n in spec.names if n in FOLDS]:
-        raise MixprecError(f"{', '.join(folds)}: the folds run in `mixprec quantize` / quantize_checkpoint "
-                           "(they rewrite the checkpoint); on a live model: gptq, scale-search")  # fmt: skip
+    spec = _live_algorithm(algorithm, sch)
     patterns = resolve_ignore(ignore, defaults=default_ignore)
     targets, skipped = linear_targets(model, sch, patterns)
     modules = dict(model.named_modules())
@@ -150,6 +146,18 @@ def apply_scheme_(
     report.weight_bytes_after = weight_bytes(model)
     model.mixprec_report = report  # as load_quantized does; save_quantized reads the layer statistics
     return report
+
+
+def _live_algorithm(
+    algorithm: str | Sequence[str] | AlgorithmSpec | None, sch: InferenceScheme
+) -> AlgorithmSpec:
+    """The algorithm a live model can take (gptq, scale-search), checked against the scheme."""
+    spec = AlgorithmSpec.parse(algorithm)
+    spec.check_scheme(sch)
+    if folds := [n for n in spec.names if n in FOLDS]:
+        raise MixprecError(f"{', '.join(folds)}: the folds run in `mixprec quantize` / quantize_checkpoint "
+                           "(they rewrite the checkpoint); on a live model: gptq, scale-search")  # fmt: skip
+    return spec
 
 
 def _weight_global_scales(modules: dict[str, nn.Module], targets: list[str], sch: InferenceScheme,
