@@ -20,7 +20,7 @@ from mixprec.inference.runtime.online import apply_scheme_
 def test_an_online_report_says_the_schemes_family(scheme, kind):
     report = apply_scheme_(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64)), scheme)
     doc = report.to_dict()
-    assert doc["schema_version"] == SCHEMA_VERSION == 4
+    assert doc["schema_version"] == SCHEMA_VERSION == 5
     assert doc["kind"] == kind and report.reported_kind == kind
     assert report["0"].precision == f"{kind}:{scheme}" and report.converted == ["0", "2"]
 
