@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from anchor_llmcompressor import checkpoint_stats  # noqa: E402  (reads headers only: no llm-compressor)
+from anchor_llmcompressor import RECORD, checkpoint_stats
 
 ANCHOR = Path(__file__).resolve().parent / "anchor_llmcompressor.py"
 MIXPREC_RECIPES = ("rtn", "gptq")
@@ -79,9 +79,13 @@ def timed(cmd: list[str], log: Path) -> tuple[float, float]:
     return time.perf_counter() - start, usage.ru_maxrss / 1024
 
 
-def tokens_of_mixprec(directory: Path) -> str | None:
-    side = directory / "mixprec_algorithm.json"
-    return json.loads(side.read_text()).get("data_sha256") if side.exists() else None
+def calibration_hash(directory: Path) -> str | None:
+    """The calibration tokens' sha256 a checkpoint records: mixprec's mixprec_algorithm.json `data_sha256`
+    (sha256 over its batches' int64 ids), or the anchor's `tokens_sha256` (the same bytes); None if none."""
+    mixprec_side, anchor_side = directory / "mixprec_algorithm.json", directory / RECORD
+    if mixprec_side.exists():
+        return json.loads(mixprec_side.read_text()).get("data_sha256")
+    return json.loads(anchor_side.read_text()).get("tokens_sha256") if anchor_side.exists() else None
 
 
 def kept_by(directory: Path) -> list[str]:
@@ -98,7 +102,15 @@ def quantize_mixprec(args: argparse.Namespace, recipe: str, scheme: str) -> Run:
         cmd += ["--calib-data", str(args.calib), "--calib-samples", str(args.samples),
                 "--calib-seq-len", str(args.seq_len)]  # fmt: skip
     wall, rss = timed(cmd, args.work / "runs" / f"mixprec-{recipe}-{scheme}.log")
-    return Run("mixprec", recipe, scheme, str(out), round(wall, 2), round(rss, 1), tokens_sha256=tokens_of_mixprec(out))
+    return Run(
+        "mixprec",
+        recipe,
+        scheme,
+        str(out),
+        round(wall, 2),
+        round(rss, 1),
+        tokens_sha256=calibration_hash(out),
+    )
 
 
 def quantize_llmc(args: argparse.Namespace, recipe: str, scheme: str, ignore: list[str]) -> Run:
@@ -144,7 +156,9 @@ def table(rows: list[tuple[Run, dict | None]]) -> str:
         size = f"{run.file_bytes / 2**20:.1f} MiB" if run.file_bytes else "-"
         wall = f"{run.wall_seconds / 60:.1f} min" if run.wall_seconds is not None else "-"
         rss = f"{run.peak_rss_mib / 1024:.2f} GiB" if run.peak_rss_mib is not None else "-"
-        lines.append(f"| {run.tool} | {run.recipe} | {run.scheme} | {bits} | {size} | {change} | {wall} | {rss} |")
+        lines.append(
+            f"| {run.tool} | {run.recipe} | {run.scheme} | {bits} | {size} | {change} | {wall} | {rss} |"
+        )
     return "\n".join(lines)
 
 
@@ -159,7 +173,7 @@ def adopt(spec: str, work: Path) -> Run:
         raise SystemExit(f"--adopt {spec}: expected (mixprec|llmc)-RECIPE-SCHEME=DIR,TIMELOG[,EVAL]")
     wall, rss = parse_time_v(Path(parts[1]).read_text())
     run = Run("mixprec" if tool == "mixprec" else "llm-compressor", recipe, scheme, parts[0], round(wall, 2),
-              round(rss, 1), tokens_sha256=tokens_of_mixprec(Path(parts[0])))  # fmt: skip
+              round(rss, 1), tokens_sha256=calibration_hash(Path(parts[0])))  # fmt: skip
     if len(parts) == 3:
         (work / "eval" / f"{run.name}.json").write_text(Path(parts[2]).read_text())
     return run
@@ -232,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = collect(args)
     rows = [(r, None if args.no_eval else json.loads(evaluate(args, r).read_text())) for r in runs]
     print(table(rows))
-    print(f"\n{same_tokens(runs)}; evaluated on {args.eval_samples} x {args.eval_seq_len} tokens of {args.data}")
+    print(
+        f"\n{same_tokens(runs)}; evaluated on {args.eval_samples} x {args.eval_seq_len} tokens of {args.data}"
+    )
     return 0
 
 

@@ -25,7 +25,8 @@ shuffle), batch size 1 (the Hessian sums over tokens, so batching does not chang
 
 The JSON line: wall seconds (load + oneshot + save), peak RSS (getrusage maxrss), versions, the tokens used,
 bits per weight over the quantized Linears and the checkpoint's file size (`checkpoint_stats`, which the
-side-by-side script also applies to mixprec's checkpoints, so the columns are computed one way).
+side-by-side script also applies to mixprec's checkpoints, so the columns are computed one way). The line is
+also written to OUTPUT/anchor_llmcompressor.json.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 SCHEMES = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4", "mxfp4a16": "MXFP4A16"}
 RECIPES = ("rtn", "gptq", "awq", "awq+gptq")
 # checkpoint tensors that hold a quantized weight (compressed-tensors' names)
+RECORD = "anchor_llmcompressor.json"  # the JSON line, also written into the checkpoint directory
 WEIGHT_PARTS = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx")
 
 
@@ -62,7 +64,7 @@ def checkpoint_stats(directory: str | Path) -> dict:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            module, _, part = name.rpartition(".")
+            _, _, part = name.rpartition(".")
             if part not in WEIGHT_PARTS:
                 continue
             start, end = info["data_offsets"]
@@ -87,6 +89,7 @@ def calibration_ids(calib: str, tokenizer, samples: int, seq_len: int):
     """mixprec's calibration windows (its own functions), one tensor of shape (n, seq_len)."""
     sys.path.insert(0, str(SRC))
     import torch
+
     from mixprec.inference.calibration.data import load_texts, token_batches
 
     return torch.cat(token_batches(load_texts(calib), tokenizer, samples, seq_len))
@@ -182,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     line = json.dumps(run(args))
+    (Path(args.output) / RECORD).write_text(line + "\n")  # the record travels with the checkpoint
     if args.json:
         args.json.write_text(line + "\n")
     print(line, flush=True)

@@ -56,7 +56,12 @@ def _checkpoint(path: Path) -> Path:
         "model.norm.weight": torch.ones(10, dtype=torch.bfloat16),  # not a quantized weight
     }
     save_file(tensors, path / "model.safetensors")
-    config = {"quantization_config": {"config_groups": {"group_0": {"weights": {"num_bits": 4}}}, "ignore": ["lm_head"]}}
+    config = {
+        "quantization_config": {
+            "config_groups": {"group_0": {"weights": {"num_bits": 4}}},
+            "ignore": ["lm_head"],
+        }
+    }
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -90,7 +95,10 @@ def test_table_rows(sbs):
     report = {"tasks": {"lm": {"intervals": {"perplexity_relative_change": {"estimate": 0.1234, "low": 0.1, "high": 0.15}}}}}  # fmt: skip
     lines = sbs.table([(scored, report), (unscored, None)]).splitlines()
     assert len(lines) == 4
-    assert lines[2] == "| mixprec | gptq | nvfp4a16 | 4.500 | 111.1 MiB | +12.34% [+10.00%, +15.00%] | 19.0 min | 3.00 GiB |"
+    assert (
+        lines[2]
+        == "| mixprec | gptq | nvfp4a16 | 4.500 | 111.1 MiB | +12.34% [+10.00%, +15.00%] | 19.0 min | 3.00 GiB |"
+    )
     assert lines[3] == "| llm-compressor | rtn | nvfp4a16 | - | - | (not scored) | - | - |"
     assert sbs.same_tokens([scored, unscored]) == "identical calibration tokens (one sha256)"
     assert sbs.same_tokens([scored, sbs.Run("mixprec", "rtn", "nvfp4a16", "/z", 1.0, 1.0, tokens_sha256="cd")]).startswith("DIFFERENT")  # fmt: skip
@@ -116,3 +124,13 @@ def test_anchor_token_hash_is_mixprec_gptq_data_sha256(tmp_path):
         digest.update(batch.to(torch.int64).numpy().tobytes())
     assert anchor.ids_sha256(ids) == digest.hexdigest()
     assert ids[0].tolist() == [ord(c) for c in "first pa"]
+
+
+def test_calibration_hash_from_either_tool(sbs, tmp_path):
+    mixprec_dir, llmc_dir, rtn_dir = (tmp_path / n for n in ("m", "l", "r"))
+    for d in (mixprec_dir, llmc_dir, rtn_dir):
+        d.mkdir()
+    (mixprec_dir / "mixprec_algorithm.json").write_text(json.dumps({"data_sha256": "aa"}))
+    (llmc_dir / sbs.RECORD).write_text(json.dumps({"tokens_sha256": "aa"}))
+    assert sbs.calibration_hash(mixprec_dir) == sbs.calibration_hash(llmc_dir) == "aa"
+    assert sbs.calibration_hash(rtn_dir) is None
