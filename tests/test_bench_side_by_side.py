@@ -134,3 +134,14 @@ def test_calibration_hash_from_either_tool(sbs, tmp_path):
     (llmc_dir / sbs.RECORD).write_text(json.dumps({"tokens_sha256": "aa"}))
     assert sbs.calibration_hash(mixprec_dir) == sbs.calibration_hash(llmc_dir) == "aa"
     assert sbs.calibration_hash(rtn_dir) is None
+
+
+def test_timed_reports_the_childs_own_peak_rss(sbs, tmp_path):
+    grab = "import sys; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ok')"
+    _, rss = sbs.timed([sys.executable, "-c", grab], tmp_path / "big.log")
+    assert rss >= 300
+    _, small = sbs.timed([sys.executable, "-c", "print('ok')"], tmp_path / "small.log")
+    assert small < 300  # the child's own peak, not the largest child's so far
+    assert (tmp_path / "small.log").read_text() == "ok\n"
+    with pytest.raises(SystemExit, match="failed"):
+        sbs.timed([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "fail.log")
