@@ -34,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchor_llmcompressor import RECORD, checkpoint_stats
 
 ANCHOR = Path(__file__).resolve().parent / "anchor_llmcompressor.py"
-MIXPREC_RECIPES = ("rtn", "gptq")
+MIXPREC_RECIPES = (
+    "rtn",
+    "gptq",
+)  # the default; any value of `mixprec quantize --algorithm` ("awq,gptq") goes
 LLMC_RECIPES = ("rtn", "gptq", "awq", "awq+gptq")
 
 
@@ -52,7 +55,12 @@ class Run:
 
     @property
     def name(self) -> str:
-        return f"{'llmc' if self.tool == 'llm-compressor' else 'mixprec'}-{self.recipe.replace('+', '-')}-{self.scheme}"
+        return f"{'llmc' if self.tool == 'llm-compressor' else 'mixprec'}-{slug(self.recipe)}-{self.scheme}"
+
+
+def slug(recipe: str) -> str:
+    """A recipe in a file name: awq+gptq (llm-compressor) and awq,gptq (mixprec) both read awq-gptq."""
+    return recipe.replace("+", "-").replace(",", "-")
 
 
 def parse_time_v(text: str) -> tuple[float, float]:
@@ -168,7 +176,7 @@ def adopt(spec: str, work: Path) -> Run:
     parts = rest.split(",")
     tool, _, rest = name.partition("-")
     recipe, _, scheme = rest.rpartition("-")
-    recipe = recipe.replace("-", "+")  # llmc-awq-gptq-nvfp4a16: recipe awq+gptq
+    recipe = recipe.replace("-", "+" if tool == "llmc" else ",")  # llmc-awq-gptq-nvfp4a16: awq+gptq
     if tool not in ("mixprec", "llmc") or len(parts) not in (2, 3):
         raise SystemExit(f"--adopt {spec}: expected (mixprec|llmc)-RECIPE-SCHEME=DIR,TIMELOG[,EVAL]")
     wall, rss = parse_time_v(Path(parts[1]).read_text())
@@ -186,7 +194,7 @@ def collect(args: argparse.Namespace) -> list[Run]:
         ignore = ["lm_head"]
         todo = [("mixprec", r) for r in args.mixprec] + [("llmc", r) for r in args.llmc]
         for tool, recipe in todo:
-            name = f"{tool}-{recipe.replace('+', '-')}-{scheme}"
+            name = f"{tool}-{slug(recipe)}-{scheme}"
             record = args.work / "runs" / f"{name}.json"
             if name in adopted:
                 run = adopted[name]
@@ -219,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, required=True, help="evaluation text, held out from --calib")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--schemes", nargs="+", default=["nvfp4a16"], choices=["nvfp4a16", "nvfp4", "mxfp4a16"])
-    p.add_argument("--mixprec", nargs="*", default=list(MIXPREC_RECIPES), choices=MIXPREC_RECIPES)
+    p.add_argument("--mixprec", nargs="*", default=list(MIXPREC_RECIPES), help="--algorithm values")
     p.add_argument("--llmc", nargs="*", default=["rtn", "gptq"], choices=LLMC_RECIPES)
     p.add_argument("--llmc-python", type=Path, default=Path("/work/llmc-venv/bin/python"))
     p.add_argument("--samples", type=int, default=64)
