@@ -150,6 +150,10 @@ def perplexity_change(report: dict) -> tuple[float, float, float]:
     return iv["estimate"], iv["low"], iv["high"]
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def table(rows: list[tuple[Run, dict | None]]) -> str:
     """The markdown table, one line per run (its evaluate report, or None when not scored)."""
     lines = ["| tool | recipe | scheme | bits/weight | file size | perplexity change [95 %] | wall | peak RSS |",
@@ -162,7 +166,7 @@ def table(rows: list[tuple[Run, dict | None]]) -> str:
             change = f"{est:+.2%} [{low:+.2%}, {high:+.2%}]"
         bits = f"{run.bits_per_weight:.3f}" if run.bits_per_weight else "-"
         size = f"{run.file_bytes / 2**20:.1f} MiB" if run.file_bytes else "-"
-        wall = f"{run.wall_seconds / 60:.1f} min" if run.wall_seconds is not None else "-"
+        wall = "-" if run.wall_seconds is None else _duration(run.wall_seconds)
         rss = f"{run.peak_rss_mib / 1024:.2f} GiB" if run.peak_rss_mib is not None else "-"
         lines.append(
             f"| {run.tool} | {run.recipe} | {run.scheme} | {bits} | {size} | {change} | {wall} | {rss} |"

@@ -100,6 +100,9 @@ def test_table_rows(sbs):
         == "| mixprec | gptq | nvfp4a16 | 4.500 | 111.1 MiB | +12.34% [+10.00%, +15.00%] | 19.0 min | 3.00 GiB |"
     )
     assert lines[3] == "| llm-compressor | rtn | nvfp4a16 | - | - | (not scored) | - | - |"
+    assert sbs.table([(sbs.Run("mixprec", "rtn", "nvfp4a16", "/z", 9.14, 554.5), None)]).endswith(
+        "| 9 s | 0.54 GiB |"
+    )
     assert sbs.same_tokens([scored, unscored]) == "identical calibration tokens (one sha256)"
     assert sbs.same_tokens([scored, sbs.Run("mixprec", "rtn", "nvfp4a16", "/z", 1.0, 1.0, tokens_sha256="cd")]).startswith("DIFFERENT")  # fmt: skip
 
