@@ -125,7 +125,7 @@ def summary(report: dict, seconds: float, rss: int, blocks: int, args: argparse.
             if n.endswith(kind) and r["output_error_rtn"] > 0
         )
         lines.append(f"| {kind} | {sum(secs) / len(secs):.1f} | {ratios[len(ratios) // 2]:.3f} |")
-    lines += ["", "warnings: " + "; ".join(report.get("warnings", [])) or "none"]
+    lines += ["", "warnings: " + ("; ".join(report.get("warnings", [])) or "none")]
     return "\n".join(lines)
 
 

@@ -32,15 +32,14 @@ from mixprec.scaling import QuantizedTensor
 @dataclass(frozen=True)
 class Calibration:
     """What calibration found: input amax per Linear, KV amax per attention layer (and its module
-    name), and what ran and why it stopped (None when nothing was calibrated); with an algorithm, the
-    Linears it rounded ({name: what the writer stores}) and its record (the report's `algorithm`)."""
+    name), and what ran and why it stopped (None when nothing was calibrated); with GPTQ, the Linears
+    it rounded ({name: what the writer stores}; its record goes to the report's `algorithm`)."""
 
     input_amax: dict[str, float]
     kv_amax: dict[int, tuple[float, float]]
     kv_names: dict[int, str]
     info: dict[str, Any] | None
     prequantized: dict[str, QuantizedTensor] = field(default_factory=dict)
-    algorithm: dict[str, Any] | None = None
 
 
 NOT_CALIBRATED = Calibration({}, {}, {}, None)
@@ -81,8 +80,8 @@ def calibrate_job(
     gc.collect()
     if gptq is None:
         return Calibration(input_amax, result.kv_amax, kv_names, info)
-    record = _gptq_record(job, gptq, batches, result.run.seconds, report)
-    return Calibration(input_amax, result.kv_amax, kv_names, info, dict(gptq.results), record)
+    _record_gptq(job, gptq, batches, result.run.seconds, report)
+    return Calibration(input_amax, result.kv_amax, kv_names, info, dict(gptq.results))
 
 
 def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPass | None:
@@ -102,15 +101,14 @@ def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPa
                     search=job.algorithm.uses_scale_search)  # fmt: skip
 
 
-def _gptq_record(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], seconds: float,
-                 report: ConversionReport) -> dict[str, Any]:  # fmt: skip
-    """The report's `algorithm` (and the side file's body); GPTQ's warnings into the report."""
+def _record_gptq(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], seconds: float,
+                 report: ConversionReport) -> None:  # fmt: skip
+    """GPTQ's record into the report's `algorithm` (the side file's body), its warnings into the report."""
     for message in gptq.warnings():
         report.warn(message, depth=2)
     record = gptq.record(job.algorithm, batches, seconds, str(job.calib_data))
     report.algorithm = {**(report.algorithm or {}), **record}  # the folds' records kept
     report.notes.append(f"GPTQ: {len(gptq.results)} Linears on {record['tokens']} calibration tokens")
-    return record
 
 
 def _calibrate_whole_model(
