@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchor_llmcompressor import RECORD, checkpoint_stats
+from child_rss import run_measured
 
 ANCHOR = Path(__file__).resolve().parent / "anchor_llmcompressor.py"
 MIXPREC_RECIPES = (
@@ -76,15 +74,11 @@ def parse_time_v(text: str) -> tuple[float, float]:
 
 
 def timed(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Run cmd (output to log); (wall seconds, the child's own peak RSS in MiB, from wait4)."""
-    start = time.perf_counter()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log}")
-    return time.perf_counter() - start, usage.ru_maxrss / 1024
+    """Run cmd (output to log); (wall seconds, the child's own peak RSS in MiB)."""
+    wall, code, peak = run_measured(cmd, log)
+    if code:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({code}); see {log}")
+    return wall, peak / 2**20
 
 
 def calibration_hash(directory: Path) -> str | None:

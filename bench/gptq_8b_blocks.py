@@ -7,8 +7,8 @@ intermediate 14336, 32 query / 8 key-value heads, vocabulary 128256, untied head
 directory. Linear weights are drawn with std 0.02 and norm weights are 1: plain randn would blow the
 activations up block after block. It adds a small BPE tokenizer (vocabulary 512: token ids index the
 first rows of the embedding) and calibration text (the Python standard library, mixprec.data.load_corpus).
-Then `mixprec quantize --algorithm gptq` runs in a subprocess, with peak RSS from wait4 (as the OS
-counts it, memory-mapped pages included).
+Then `mixprec quantize --algorithm gptq` runs in a subprocess, with its own peak RSS from wait4 (as the OS
+counts it, memory-mapped pages included; bench/child_rss.py keeps this script's own pages out of it).
 
 Per block: the walk's seconds (report `algorithm.seconds`, capture of the first block's inputs
 included) divided by the blocks, and GPTQ's own solve seconds per Linear. Extrapolated to the 32
@@ -22,14 +22,15 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_rss import run_measured
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, HEAD_DIM = 4096, 14336, 32, 8, 128256, 128
 REAL_BLOCKS = 32
@@ -86,14 +87,10 @@ def run_quantize(model: Path, out: Path, scheme: str, samples: int, seq_len: int
     cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
            "--scheme", scheme, "--algorithm", "gptq", "--calib-data", str(model.parent / "calib.txt"),
            "--calib-samples", str(samples), "--calib-seq-len", str(seq_len), "--json", "--quiet", "--force"]  # fmt: skip
-    started = time.perf_counter()
-    with open(out.parent / "report.json", "w") as report_file:
-        proc = subprocess.Popen(cmd, stdout=report_file)
-        _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
+    seconds, code, peak = run_measured(cmd, out.parent / "report.json", stderr_to_stdout=False)
+    if code != 0:
         raise SystemExit(f"mixprec quantize failed: {' '.join(cmd)}")
-    return json.loads((out.parent / "report.json").read_text()), seconds, usage.ru_maxrss * 1024
+    return json.loads((out.parent / "report.json").read_text()), seconds, peak
 
 
 def summary(report: dict, seconds: float, rss: int, blocks: int, args: argparse.Namespace) -> str:
