@@ -42,13 +42,15 @@ from mixprec.inference.runtime.bf16_forward import (
     scaled_bf16_linear,
     takes_bf16_path,
 )
+from mixprec.inference.runtime.gradients import QuantizedLinearFunction
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.quantization import quantize
 from mixprec.scaling import Granularity, QuantizedTensor, expand_scale
 
 
 class QuantizedLinear(nn.Module):
-    """y = x Wᵀ + b with W stored in FP8 and x quantized to FP8 on the fly (inference only)."""
+    """y = x Wᵀ + b with W stored in FP8 and x quantized to FP8 on the fly. The payloads are frozen; an
+    input that requires a gradient gets one (runtime/gradients.py), so adapters and earlier layers train."""
 
     def __init__(
         self,
@@ -146,7 +148,7 @@ class QuantizedLinear(nn.Module):
         k_uniform = self.weight_granularity.block_cols is None and self.input_granularity.block_cols is None
         return k_uniform and takes_bf16_path(self.bf16_gemm, x2.device, self.out_dtype)
 
-    def _forward_bf16(self, x2: torch.Tensor) -> torch.Tensor:
+    def _forward_bf16(self, x2: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor]:
         xq = quantize(x2, E4M3, self.input_granularity, scale=self.input_scale)
         if self._observer is not None:
             self._observer(self._observer_name, "input", x2.detach(), xq.scale, E4M3)
@@ -157,10 +159,11 @@ class QuantizedLinear(nn.Module):
         a, factor = e4m3_to_bf16_unscaled(xq.data)
         if (row_scale := folded(rows, factor)) is None:  # scales near fp32's maximum: exact values
             a, row_scale = a.mul_(factor), rows
-        return scaled_bf16_linear(
+        out = scaled_bf16_linear(
             a, self.bf16_weight(), row_scale=row_scale, col_scale=cols.t(), divisor=None, bias=self.bias,
             out_dtype=self.out_dtype,
         )  # fmt: skip
+        return out, xq
 
     # ---- quantities --------------------------------------------------------------------------
     @property
@@ -188,21 +191,28 @@ class QuantizedLinear(nn.Module):
         return {"input": self.input_granularity, "weight": self.weight_granularity}
 
     # ---- forward --------------------------------------------------------------------------------
-    @torch.no_grad()  # an inference layer: FP8 payloads are buffers and quantization has no gradient
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
+        if torch.is_grad_enabled() and x2.requires_grad:  # fine-tuning: the input gets its gradient
+            out = QuantizedLinearFunction.apply(x2, self)
+        else:
+            with torch.no_grad():  # the payloads are frozen buffers: nothing to record
+                out, _ = self.forward_2d(x2)
+        return out.reshape(*lead, self.out_features)
+
+    def forward_2d(self, x2: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor | None]:
+        """(x2 Wᵀ + b for a [M, K] input, the quantized input or None where the input is not quantized)."""
         if self._takes_bf16_path(x2):
-            return self._forward_bf16(x2).reshape(*lead, self.out_features)
+            return self._forward_bf16(x2)
         # the one quantize entry: fused Triton kernels on CUDA, graph-break-free under torch.compile,
         # the eager (or, for big inputs, tiled) torch code on the CPU; bit-identical everywhere
         xq = quantize(x2, E4M3, self.input_granularity, scale=self.input_scale)
         if self._observer is not None:
             self._observer(self._observer_name, "input", x2.detach(), xq.scale, E4M3)
-        out = scaled_mm(xq, self.quantized_weight(), out_dtype=self.out_dtype, bias=self.bias)
-        return out.reshape(*lead, self.out_features)
+        return scaled_mm(xq, self.quantized_weight(), out_dtype=self.out_dtype, bias=self.bias), xq
 
     def extra_repr(self) -> str:
         act = (
@@ -297,30 +307,23 @@ class BlockQuantizedLinear(QuantizedLinear):
             and takes_bf16_path(self.bf16_gemm, x2.device, self.out_dtype)
         )
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] == 0:
-            return x.new_zeros(*lead, self.out_features, dtype=self.out_dtype)
+    def forward_2d(self, x2: torch.Tensor) -> tuple[torch.Tensor, QuantizedTensor | None]:
         if self._takes_bf16_path(x2):  # NVFP4 A16 with a bf16 input: the bf16 GEMM, then / global scale
             out = scaled_bf16_linear(
                 x2, self.bf16_weight(), row_scale=None, col_scale=None, divisor=self.weight_global_scale,
                 bias=self.bias, out_dtype=self.out_dtype,
             )  # fmt: skip
-            return out.reshape(*lead, self.out_features)
+            return out, None
         wq = self.quantized_weight()
         if self.scheme.weights_only:
             bias = None if self.bias is None else self.bias.float()
-            out = torch.nn.functional.linear(x2.float(), wq.dequantize(), bias).to(self.out_dtype)
-        else:
-            xq = quantize(
-                x2, self.scheme.input_format, self.input_granularity, global_scale=self.input_global_scale
-            )
-            if self._observer is not None:
-                self._observer(self._observer_name, "input", x2.detach(), xq.effective_scale(), xq.fmt)
-            out = scaled_mm(xq, wq, out_dtype=self.out_dtype, bias=self.bias)
-        return out.reshape(*lead, self.out_features)
+            return torch.nn.functional.linear(x2.float(), wq.dequantize(), bias).to(self.out_dtype), None
+        xq = quantize(
+            x2, self.scheme.input_format, self.input_granularity, global_scale=self.input_global_scale
+        )
+        if self._observer is not None:
+            self._observer(self._observer_name, "input", x2.detach(), xq.effective_scale(), xq.fmt)
+        return scaled_mm(xq, wq, out_dtype=self.out_dtype, bias=self.bias), xq
 
     def extra_repr(self) -> str:
         act = "high precision" if self.scheme.weights_only else f"dynamic {self.input_granularity.name}"

@@ -1,0 +1,52 @@
+"""Gradients through the quantized inference Linears: what lets adapters (LoRA) and the layers before a
+quantized one train on a quantized base.
+
+The payloads are frozen: a quantized Linear has no weight gradient. The input gets
+
+    grad_x = (grad_y · W) ⊙ mask
+
+with W the exactly dequantized weight (payload × scales, fp32) and, for the schemes that quantize their
+inputs (fp8-*, nvfp4, mxfp4, mxfp8), the straight-through estimator of the input quantizer with the usual
+clipping mask: the gradient passes where the quantizer rounded to a representable value and is zero where
+it saturated (|x| / scale beyond the format's overflow threshold, max + half an ulp: a value that rounding
+alone would not have moved to max). Dynamic per-token FP8 never saturates; a static scale, NVFP4 blocks under
+a calibrated global scale and MX blocks (whose power-of-two scale leaves values up to 8 > 6) do.
+
+The forward is the layer's own (`forward_2d`), so the outputs are bit-identical to inference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.scaling import QuantizedTensor, expand_scale
+
+
+def clip_mask(x2: torch.Tensor, xq: QuantizedTensor) -> torch.Tensor:
+    """True where the input quantizer did not saturate x2 ([M, K]): |x| / scale ≤ max + ½ ulp."""
+    scale = expand_scale(xq.effective_scale(), xq.granularity, *x2.shape)
+    return (x2.float().abs() / scale) <= xq.fmt.overflow_threshold
+
+
+class QuantizedLinearFunction(torch.autograd.Function):
+    """y = layer.forward_2d(x2) (the inference forward, unchanged); grad_x through the dequantized weight
+    and the clipping mask. `layer` is a QuantizedLinear (any scheme); its bias is frozen like its payload."""
+
+    @staticmethod
+    def forward(ctx: Any, x2: torch.Tensor, layer: Any) -> torch.Tensor:
+        out, xq = layer.forward_2d(x2.detach())
+        mask = clip_mask(x2, xq) if xq is not None else None
+        ctx.layer, ctx.x_dtype = layer, x2.dtype
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        (mask,) = ctx.saved_tensors
+        weight = ctx.layer.dequantized_weight(torch.float32)  # exact; decoded per backward, not kept
+        grad_x = grad_out.float() @ weight
+        if mask is not None:
+            grad_x = grad_x * mask
+        return grad_x.to(ctx.x_dtype), None
