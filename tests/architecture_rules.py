@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("support", ("data", "models", "pages")),
     ("analysis", ("sensitivity",)),
     ("workflows", ("comparison", "evaluation", "onnx")),
+    ("finetuning", ("finetune",)),
     ("demo", ("demo",)),
     ("commands", ("commands",)),
     ("cli", ("cli",)),
