@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.verdicts import paired_bootstrap
+from mixprec.verdicts import gap_closed, paired_bootstrap, perplexity_change
 
 
 def _blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
@@ -29,10 +29,6 @@ def _blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     return ref, cand, tokens, doc["candidate"]["source"]
 
 
-def _ppl(nll: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.exp(nll.sum(-1) / tokens.sum(-1))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("baseline", type=Path, help="round to nearest's evaluate --json")
@@ -41,7 +37,7 @@ def main() -> int:
     ref, base, tokens, base_name = _blocks(args.baseline)
     print("| candidate | perplexity change [95 %] | share of the baseline's gap closed [95 %] |")
     print("|---|---:|---:|")
-    gap0 = paired_bootstrap(lambda r, b, t: _ppl(b, t) / _ppl(r, t) - 1, ref, base, tokens)
+    gap0 = paired_bootstrap(perplexity_change, ref, base, tokens)
     print(f"| {base_name} | {gap0.estimate:+.1%} [{gap0.low:+.1%}, {gap0.high:+.1%}] | (baseline) |")
     for path in args.candidates:
         ref_c, cand, tokens_c, name = _blocks(path)
@@ -49,12 +45,8 @@ def main() -> int:
             raise SystemExit(
                 f"{path}: not scored on the same blocks with the same reference as {args.baseline}"
             )
-
-        def closed(r, b, c, t):
-            return 1 - (_ppl(c, t) / _ppl(r, t) - 1) / (_ppl(b, t) / _ppl(r, t) - 1)
-
-        gap = paired_bootstrap(lambda r, c, t: _ppl(c, t) / _ppl(r, t) - 1, ref, cand, tokens)
-        share = paired_bootstrap(closed, ref, base, cand, tokens)
+        gap = paired_bootstrap(perplexity_change, ref, cand, tokens)
+        share = paired_bootstrap(gap_closed, ref, base, cand, tokens)
         print(f"| {name} | {gap.estimate:+.1%} [{gap.low:+.1%}, {gap.high:+.1%}] | "
               f"{share.estimate:.1%} [{share.low:.1%}, {share.high:.1%}] |")  # fmt: skip
     return 0

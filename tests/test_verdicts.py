@@ -222,3 +222,19 @@ def test_references_to_settle():
     close = Interval(0.0024, 0.0, 0.0048, level=0.95, samples=4)
     assert references_to_settle(close, margin=0.0025, spread=spread) == -1
     assert references_to_settle(Interval(0.0, -0.001, 0.001, 0.95, 4), margin=0.0025, spread=spread) is None
+
+
+def test_gap_closed_is_the_share_of_the_baselines_perplexity_gap():
+    from mixprec.verdicts import gap_closed
+
+    ref, tokens = (
+        torch.tensor([[10.0, 10.0]], dtype=torch.float64),
+        torch.tensor([[10.0, 10.0]], dtype=torch.float64),
+    )
+    base = ref + 2  # perplexity x e^0.2
+    half = ref + 1  # perplexity x e^0.1
+    expected = 1 - (math.exp(0.1) - 1) / (math.exp(0.2) - 1)
+    assert float(gap_closed(ref, base, half, tokens)[0]) == pytest.approx(expected, rel=1e-12)
+    assert float(gap_closed(ref, base, ref, tokens)[0]) == pytest.approx(1.0)
+    assert float(gap_closed(ref, base, base, tokens)[0]) == pytest.approx(0.0)
+    assert float(gap_closed(ref, base, base + 1, tokens)[0]) < 0

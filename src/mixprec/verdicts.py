@@ -374,6 +374,18 @@ def perplexity_change(
     return torch.exp((candidate_nll.sum(dim=-1) - reference_nll.sum(dim=-1)) / total) - 1
 
 
+def gap_closed(
+    reference_nll: torch.Tensor, baseline_nll: torch.Tensor, candidate_nll: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """Statistic for `paired_bootstrap`: the share of the baseline's perplexity gap the candidate closes,
+    1 - (ppl_c / ppl_ref - 1) / (ppl_b / ppl_ref - 1), per row (1: as good as the reference; 0: as the
+    baseline; negative: worse than the baseline). Per-block summed NLLs and token counts, as
+    `perplexity_change` takes them, so the three models are resampled on the same blocks."""
+    return 1 - perplexity_change(reference_nll, candidate_nll, tokens) / perplexity_change(
+        reference_nll, baseline_nll, tokens
+    )
+
+
 def ratio_of_sums(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """Statistic for `paired_bootstrap`: sum(numerator) / sum(denominator) per row.
 
