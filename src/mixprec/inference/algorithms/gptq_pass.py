@@ -61,6 +61,12 @@ class GptqPass:
         self.short: list[tuple[str, int, int]] = []  # (Linear, tokens, inputs) with tokens < inputs
         self._hessians: dict[tuple[str, ...], HessianAccumulator] = {}
 
+    @property
+    def needs_outputs(self) -> bool:
+        """With sequential propagation the block runs again once rounded: its observing forward's
+        outputs are not kept (BlockPass)."""
+        return not self.params.sequential
+
     def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]:
         handles = []
         for group in self.groups:
@@ -79,12 +85,13 @@ class GptqPass:
     def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
               rerun: Callable[[nn.Module, Captured], Captured]) -> Captured:  # fmt: skip
         modules = {f"{own}{n}": m for n, m in block.named_modules() if n}
-        for group, acc in self._hessians.items():
+        for group in list(self._hessians):
+            acc = self._hessians.pop(group)  # each Hessian freed once its group is rounded
             hessian = acc.finish()
             if acc.rows < acc.in_features:
                 self.short.append((group[0], acc.rows, acc.in_features))
             self._round_group(group, hessian, acc.rows, modules)
-        self._hessians.clear()
+            del acc, hessian
         return rerun(block, captured) if self.params.sequential else outputs
 
     def record(

@@ -237,6 +237,24 @@ class ShardReader:
             self.read_range(info, 0, memoryview(buf.numpy()))
         return buf.view(info.dtype).view(info.shape)
 
+    def get_rows(self, info: TensorInfo, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (sorted, distinct int64 indices along dim 0) of a tensor, as a new tensor
+        [len(rows), *shape[1:]]: only their bytes are read, one read per run of consecutive rows."""
+        if len(info.shape) < 1:
+            raise RuntimeError(f"tensor {info.name!r} has no rows")
+        row_bytes = tensor_nbytes(info.shape[1:], info.dtype)
+        out = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        picked = rows.tolist()
+        start = 0
+        while start < len(picked):
+            end = start + 1  # [start, end): a run of consecutive rows, read at once
+            while end < len(picked) and picked[end] == picked[end - 1] + 1:
+                end += 1
+            self.read_range(info, picked[start] * row_bytes, view[start * row_bytes : end * row_bytes])
+            start = end
+        return out.view(info.dtype).view(len(picked), *info.shape[1:])
+
     def close(self) -> None:
         with self._lock:
             for f in self._files.values():
