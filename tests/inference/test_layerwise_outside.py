@@ -49,7 +49,9 @@ def saved(request, tmp_path_factory) -> tuple[str, Path]:
 def _batches(seed: int = 3) -> list[torch.Tensor]:
     """Two batches using a scattered subset of the vocabulary (runs of consecutive ids and gaps)."""
     g = torch.Generator().manual_seed(seed)
-    pool = torch.cat([torch.arange(5, 12), torch.randperm(VOCAB, generator=g)[:20], torch.tensor([VOCAB - 1])])
+    pool = torch.cat(
+        [torch.arange(5, 12), torch.randperm(VOCAB, generator=g)[:20], torch.tensor([VOCAB - 1])]
+    )
     return [pool[torch.randint(0, len(pool), (2, 12), generator=g)] for _ in range(2)]
 
 

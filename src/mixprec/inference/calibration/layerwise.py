@@ -1,12 +1,30 @@
 """Layer-by-layer calibration: observe Linear inputs (and KV states) of a decoder model one
 transformer block at a time, so a model larger than RAM calibrates.
 
-The model is built with its parameters on the meta device; only the parts outside the block list
-(embeddings, rotary tables, final norm, head) are loaded. The first block's inputs are captured
-for every batch (a pre-hook records them and stops the forward), then each block is loaded from
-the shards, run on the captured inputs with the observers' hooks on, its outputs kept as the next
-block's inputs, and its weights dropped again. Peak memory: one block + the hidden states of the
-calibration set (samples x seq_len x hidden in the model dtype).
+The model is built with its parameters on the meta device. Of what lies outside the block list only
+what the forward runs before the first block is read (outside.py): the input embedding's rows for the
+calibration tokens, as a compact table behind the model's own embedding module, and any other module
+there (position embeddings) when it runs; the final norm and the head are never read. The first
+block's inputs are captured for every batch (a pre-hook records them and stops the forward), then
+each block is loaded from the shards, run on the captured inputs with the observers' hooks on, its
+outputs kept as the next block's inputs (replacing them batch by batch), and its weights dropped
+again.
+
+Peak memory (RSS), nothing of it growing with the number of blocks but the last GPTQ term:
+    R0                              interpreter, torch, transformers, the skeleton's buffers (~0.4 GiB)
+  + one block's weights             in the checkpoint's dtype (Llama-3.1-8B: 0.41 GiB in bf16)
+  + the hidden states, one copy     samples x seq_len x hidden x dtype bytes, plus the rotary tables
+  + one batch's forward transients  the MLP's intermediates (a few x batch x seq_len x intermediate) and
+                                    the attention's scores (batch x heads x seq_len^2 in fp32)
+  + the compact embedding           distinct calibration tokens x hidden x dtype bytes
+  + statistics                      observers: a float per Linear. GPTQ: the block's Hessians (4 K^2
+                                    bytes per input group, K its input width), each freed once its
+                                    group is rounded; while the widest group solves, its Hessian and
+                                    two K x K steps of the inverse (3 x 4 K^2) and a few fp32 copies of
+                                    its weight (4 N x K each)
+  + GPTQ results until the writer   each rounded Linear's QuantizedTensor (1 byte a weight for the
+                                    codes, plus its scales): grows with the blocks.
+Llama-3.1-8B shapes, GPTQ: down_proj's K = 14336 makes the statistics term ~3 GiB (3 x 0.77 + 3 x 0.22).
 
 The same walk carries the algorithms that work block by block (a BlockPass: GPTQ), on a checkpoint
 (calibrate_layerwise) or on a model already in memory (calibrate_blockwise).
@@ -240,7 +258,9 @@ def _observing(observer: Observer):
     return hook_fn
 
 
-def _run_block(block: nn.Module, captured: Captured, *, in_place: bool = False, keep: bool = True) -> Captured | None:
+def _run_block(
+    block: nn.Module, captured: Captured, *, in_place: bool = False, keep: bool = True
+) -> Captured | None:
     """Run `block` on each captured input: the next block's inputs (its hidden states, the rest as given).
     in_place: each output replaces its input in `captured` as soon as it exists (returns `captured`);
     keep=False: the outputs are dropped (returns None: the forward only feeds the hooks)."""

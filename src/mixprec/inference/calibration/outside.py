@@ -80,7 +80,9 @@ class OutsideLoader:
                 continue
             own = _own_tensors(name, module, ckpt)
             if own:
-                self._handles.append(module.register_forward_pre_hook(_load_on_call(model, ckpt, own, reader)))
+                self._handles.append(
+                    module.register_forward_pre_hook(_load_on_call(model, ckpt, own, reader))
+                )
 
     def _shrink(self, emb: nn.Embedding, name: str, ckpt: Checkpoint, reader: ShardReader,
                 rows: torch.Tensor) -> None:  # fmt: skip
@@ -110,7 +112,9 @@ class OutsideLoader:
 
 def _own_tensors(name: str, module: nn.Module, ckpt: Checkpoint) -> list[str]:
     """The checkpoint names of the module's own parameters and buffers (not its children's)."""
-    own = [k for k, _ in module.named_parameters(recurse=False)] + [k for k, _ in module.named_buffers(recurse=False)]
+    own = [k for k, _ in module.named_parameters(recurse=False)] + [
+        k for k, _ in module.named_buffers(recurse=False)
+    ]
     full = [f"{name}.{k}" if name else k for k in own]
     return [n for n in full if n in ckpt.tensors]
 
