@@ -10,7 +10,7 @@ each block is loaded from the shards, run on the captured inputs with the observ
 outputs kept as the next block's inputs (replacing them batch by batch), and its weights dropped
 again.
 
-Peak memory (RSS), nothing of it growing with the number of blocks but the last GPTQ term:
+Peak memory (RSS), nothing of it growing with the number of blocks:
     R0                              interpreter, torch, transformers, the skeleton's buffers (~0.4 GiB)
   + one block's weights             in the checkpoint's dtype (Llama-3.1-8B: 0.41 GiB in bf16)
   + the hidden states, one copy     samples x seq_len x hidden x dtype bytes, plus the rotary tables
@@ -22,8 +22,9 @@ Peak memory (RSS), nothing of it growing with the number of blocks but the last 
                                     group is rounded; while the widest group solves, its Hessian and
                                     two K x K steps of the inverse (3 x 4 K^2) and a few fp32 copies of
                                     its weight (4 N x K each)
-  + GPTQ results until the writer   each rounded Linear's QuantizedTensor (1 byte a weight for the
-                                    codes, plus its scales): grows with the blocks.
+  + GPTQ results of the block       its rounded Linears (1 byte a weight for the codes, plus scales);
+                                    on a checkpoint they go to disk at the end of each block, beside
+                                    the output, until the writer stores them (checkpoint/spill.py)
 Llama-3.1-8B shapes, GPTQ: down_proj's K = 14336 makes the statistics term ~3 GiB (3 x 0.77 + 3 x 0.22).
 
 The same walk carries the algorithms that work block by block (a BlockPass: GPTQ), on a checkpoint

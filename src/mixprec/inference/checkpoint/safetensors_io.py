@@ -168,16 +168,28 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     for shard in shards:
         header, data_start = _read_header(shard)
         metadata.update(header.get("__metadata__") or {})
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
+        for name, info in _infos(shard, header, data_start).items():
             if name in tensors:
                 raise MixprecError(
                     f"tensor {name!r} appears in both {tensors[name].shard.name} and {shard.name}"
                 )
-            offset = data_start + info["data_offsets"][0]
-            tensors[name] = TensorInfo(name, _DTYPES[info["dtype"]], tuple(info["shape"]), shard, offset)
+            tensors[name] = info
     return Checkpoint(root, shards, tensors, metadata)
+
+
+def read_tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} of one safetensors file, from its validated header."""
+    return _infos(path, *_read_header(path))
+
+
+def _infos(shard: Path, header: dict, data_start: int) -> dict[str, TensorInfo]:
+    return {
+        name: TensorInfo(
+            name, _DTYPES[info["dtype"]], tuple(info["shape"]), shard, data_start + info["data_offsets"][0]
+        )
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
 
 
 class ShardReader:
