@@ -13,7 +13,8 @@ counts it, memory-mapped pages included; bench/child_rss.py keeps this script's 
 Per block: the walk's seconds (report `algorithm.seconds`, capture of the first block's inputs
 included) divided by the blocks, and GPTQ's own solve seconds per Linear. Extrapolated to the 32
 blocks of the real model: 32 x the per-block time. Peak memory does not grow with the block count
-(one block at a time); the embeddings and head are the real model's size and are loaded whole.
+(one block at a time; the rounded Linears wait on disk for the writer); the embeddings and head are the
+real model's size, and the walk reads only the embedding rows of the calibration tokens (issue 30).
 """
 
 from __future__ import annotations

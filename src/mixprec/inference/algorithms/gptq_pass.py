@@ -30,6 +30,7 @@ from mixprec.inference.algorithms.scale_search import search_global_scale
 from mixprec.inference.algorithms.spec import AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.layerwise import Captured
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
+from mixprec.inference.checkpoint.spill import SpilledResults
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.quantization import QuantizationStats, quantize
 from mixprec.scaling import QuantizedTensor, compute_scale
@@ -50,16 +51,23 @@ class GptqPass:
     caller should say (too few tokens for a Hessian)."""
 
     def __init__(self, schemes: Mapping[str, InferenceScheme], params: GptqParams, weight_dtype: torch.dtype,
-                 search: bool = False):  # fmt: skip
+                 search: bool = False, results: SpilledResults | None = None):  # fmt: skip
         self.schemes = dict(schemes)
         self.search = search  # group scales from the scale search (scale_search.py)
         self.params = params
         self.weight_dtype = weight_dtype
         self.groups = input_groups(list(self.schemes))
-        self.results: dict[str, QuantizedTensor] = {}
+        # results: where the rounded weights go (a SpilledResults keeps each block's on disk); default a dict
+        self.results: dict[str, QuantizedTensor] | SpilledResults = {} if results is None else results
         self.layers: dict[str, dict[str, Any]] = {}
         self.short: list[tuple[str, int, int]] = []  # (Linear, tokens, inputs) with tokens < inputs
         self._hessians: dict[tuple[str, ...], HessianAccumulator] = {}
+
+    @property
+    def needs_outputs(self) -> bool:
+        """With sequential propagation the block runs again once rounded: its observing forward's
+        outputs are not kept (BlockPass)."""
+        return not self.params.sequential
 
     def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]:
         handles = []
@@ -79,12 +87,15 @@ class GptqPass:
     def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
               rerun: Callable[[nn.Module, Captured], Captured]) -> Captured:  # fmt: skip
         modules = {f"{own}{n}": m for n, m in block.named_modules() if n}
-        for group, acc in self._hessians.items():
+        for group in list(self._hessians):
+            acc = self._hessians.pop(group)  # each Hessian freed once its group is rounded
             hessian = acc.finish()
             if acc.rows < acc.in_features:
                 self.short.append((group[0], acc.rows, acc.in_features))
             self._round_group(group, hessian, acc.rows, modules)
-        self._hessians.clear()
+            del acc, hessian
+        if isinstance(self.results, SpilledResults):
+            self.results.flush()
         return rerun(block, captured) if self.params.sequential else outputs
 
     def record(

@@ -1,12 +1,31 @@
 """Layer-by-layer calibration: observe Linear inputs (and KV states) of a decoder model one
 transformer block at a time, so a model larger than RAM calibrates.
 
-The model is built with its parameters on the meta device; only the parts outside the block list
-(embeddings, rotary tables, final norm, head) are loaded. The first block's inputs are captured
-for every batch (a pre-hook records them and stops the forward), then each block is loaded from
-the shards, run on the captured inputs with the observers' hooks on, its outputs kept as the next
-block's inputs, and its weights dropped again. Peak memory: one block + the hidden states of the
-calibration set (samples x seq_len x hidden in the model dtype).
+The model is built with its parameters on the meta device. Of what lies outside the block list only
+what the forward runs before the first block is read (outside.py): the input embedding's rows for the
+calibration tokens, as a compact table behind the model's own embedding module, and any other module
+there (position embeddings) when it runs; the final norm and the head are never read. The first
+block's inputs are captured for every batch (a pre-hook records them and stops the forward), then
+each block is loaded from the shards, run on the captured inputs with the observers' hooks on, its
+outputs kept as the next block's inputs (replacing them batch by batch), and its weights dropped
+again.
+
+Peak memory (RSS), nothing of it growing with the number of blocks:
+    R0                              interpreter, torch, transformers, the skeleton's buffers (~0.4 GiB)
+  + one block's weights             in the checkpoint's dtype (Llama-3.1-8B: 0.41 GiB in bf16)
+  + the hidden states, one copy     samples x seq_len x hidden x dtype bytes, plus the rotary tables
+  + one batch's forward transients  the MLP's intermediates (a few x batch x seq_len x intermediate) and
+                                    the attention's scores (batch x heads x seq_len^2 in fp32)
+  + the compact embedding           distinct calibration tokens x hidden x dtype bytes
+  + statistics                      observers: a float per Linear. GPTQ: the block's Hessians (4 K^2
+                                    bytes per input group, K its input width), each freed once its
+                                    group is rounded; while the widest group solves, its Hessian and
+                                    two K x K steps of the inverse (3 x 4 K^2) and a few fp32 copies of
+                                    its weight (4 N x K each)
+  + GPTQ results of the block       its rounded Linears (1 byte a weight for the codes, plus scales);
+                                    on a checkpoint they go to disk at the end of each block, beside
+                                    the output, until the writer stores them (checkpoint/spill.py)
+Llama-3.1-8B shapes, GPTQ: down_proj's K = 14336 makes the statistics term ~3 GiB (3 x 0.77 + 3 x 0.22).
 
 The same walk carries the algorithms that work block by block (a BlockPass: GPTQ), on a checkpoint
 (calibrate_layerwise) or on a model already in memory (calibrate_blockwise).
@@ -26,6 +45,7 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
 from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
+from mixprec.inference.calibration.outside import OutsideLoader, check_captured, load_into
 from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
@@ -45,17 +65,14 @@ def _block_list(model: nn.Module, num_layers: int | None) -> tuple[str, nn.Modul
     raise MixprecError("layer-by-layer calibration needs a model with a list of transformer blocks")
 
 
-def _load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: ShardReader) -> None:
-    sd = {n: reader.get(ckpt.tensors[n]) for n in names}
-    model.load_state_dict(sd, strict=False, assign=True)
-
-
 class BlockPass(Protocol):
     """Work done inside each transformer block of a block-by-block run (algorithms/ builds these: GPTQ
     accumulates Hessians and rounds the block's weights). `hooks` runs before the block's observing
     forward and returns the hook handles to remove after it; `after` gets the block's outputs of that
     forward and returns what the next block receives (the same outputs, or the block run again on
-    `captured` through `rerun` once its weights changed)."""
+    `captured` through `rerun` once its weights changed). A pass may set `needs_outputs = False`: the
+    observing forward's outputs are then not kept (`after` gets None), which saves one copy of the
+    hidden states when it runs the block again anyway."""
 
     def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]: ...
 
@@ -79,16 +96,16 @@ def calibrate_layerwise(
     stop rule needs every layer's amax after each batch, and here block i sees batch k long after
     block 0 did); returns (the result, the skeleton). block_pass: more work inside each block."""
     model, prefix, blocks = _skeleton(model_dir, config, ckpt, linear_names)
-    outside = [n for n in ckpt.tensors if not n.startswith(prefix + ".")]
     with ShardReader() as reader:
-        _load_into(model, ckpt, outside, reader)
+        outside = OutsideLoader(model, ckpt, reader, prefix, batches)
 
         def load(i: int) -> None:
             own = f"{prefix}.{i}."
-            _load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
+            load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
 
         result = _walk(model, prefix, blocks, batches, linear_names, observer=observer, kv_cache=kv_cache,
-                       progress=progress, block_pass=block_pass, load=load, drop=lambda b: b.to("meta"))  # fmt: skip
+                       progress=progress, block_pass=block_pass, load=load, drop=lambda b: b.to("meta"),
+                       outside=outside)  # fmt: skip
     return result, model
 
 
@@ -122,9 +139,11 @@ def calibrate_blockwise(
 def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: Sequence[torch.Tensor],
           linear_names: Sequence[str], *, observer: str, kv_cache: bool, progress: Any,
           block_pass: BlockPass | None, load: Callable[[int], None] | None = None,
-          drop: Callable[[nn.Module], Any] | None = None) -> CalibrationResult:  # fmt: skip
+          drop: Callable[[nn.Module], Any] | None = None,
+          outside: OutsideLoader | None = None) -> CalibrationResult:  # fmt: skip
     """Capture the first block's inputs, then per block: load it, run it with the observers' (and
-    the pass's) hooks on, let the pass work on it, drop it; the outputs feed the next block."""
+    the pass's) hooks on, let the pass work on it, drop it; the outputs feed the next block.
+    outside: what loads the parts outside the blocks during the capture (calibrate_layerwise)."""
     started = time.perf_counter()
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
@@ -136,9 +155,13 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
     try:
         with torch.no_grad(), contextlib.ExitStack() as fp32_gemms:
             # GEMMs in fp32 rounded to the model dtype on CPUs without fast bf16, as in `calibrate` (decided
-            # now that the parts outside the blocks, the embeddings first, are on the CPU)
-            fp32_gemms.enter_context(gemms_in_fp32(model))
+            # on a module whose weights are loaded: the compact embedding, or the model once loaded)
+            probe = outside.embedding if outside is not None and outside.embedding is not None else model
+            fp32_gemms.enter_context(gemms_in_fp32(probe))
             captured = _block_inputs(model, blocks[0], batches)
+            if outside is not None:
+                outside.remove()
+                check_captured(captured)
             modules = dict(model.named_modules())
             for i, block in enumerate(blocks):
                 own = f"{prefix}.{i}."
@@ -151,7 +174,10 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
                 ]
                 if block_pass is not None:
                     handles += block_pass.hooks(own, modules)
-                outputs = _run_block(block, captured)
+                # without a pass each block's outputs replace its inputs batch by batch (one copy of the
+                # hidden states); a pass that reruns the block keeps none of this forward's
+                keep = block_pass is None or getattr(block_pass, "needs_outputs", True)
+                outputs = _run_block(block, captured, in_place=block_pass is None, keep=keep)
                 for h in handles:
                     h.remove()
                 if block_pass is not None:
@@ -233,14 +259,23 @@ def _observing(observer: Observer):
     return hook_fn
 
 
-def _run_block(block: nn.Module, captured: Captured) -> Captured:
-    """Run `block` on each captured input: the next block's inputs (its hidden states, the rest as given)."""
-    nxt = []
-    for args, kwargs in captured:
+def _run_block(
+    block: nn.Module, captured: Captured, *, in_place: bool = False, keep: bool = True
+) -> Captured | None:
+    """Run `block` on each captured input: the next block's inputs (its hidden states, the rest as given).
+    in_place: each output replaces its input in `captured` as soon as it exists (returns `captured`);
+    keep=False: the outputs are dropped (returns None: the forward only feeds the hooks)."""
+    nxt = captured if in_place else []
+    for j, (args, kwargs) in enumerate(captured):
         out = block(*args, **kwargs)
+        if not keep:
+            continue
         hidden = out[0] if isinstance(out, tuple) else out
-        nxt.append(((hidden, *args[1:]), kwargs))
-    return nxt
+        if in_place:
+            captured[j] = ((hidden, *args[1:]), kwargs)
+        else:
+            nxt.append(((hidden, *args[1:]), kwargs))
+    return nxt if keep else None
 
 
 __all__ = ["BlockPass", "Captured", "MaxObserver", "calibrate_blockwise", "calibrate_layerwise"]

@@ -168,16 +168,28 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     for shard in shards:
         header, data_start = _read_header(shard)
         metadata.update(header.get("__metadata__") or {})
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
+        for name, info in _infos(shard, header, data_start).items():
             if name in tensors:
                 raise MixprecError(
                     f"tensor {name!r} appears in both {tensors[name].shard.name} and {shard.name}"
                 )
-            offset = data_start + info["data_offsets"][0]
-            tensors[name] = TensorInfo(name, _DTYPES[info["dtype"]], tuple(info["shape"]), shard, offset)
+            tensors[name] = info
     return Checkpoint(root, shards, tensors, metadata)
+
+
+def read_tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} of one safetensors file, from its validated header."""
+    return _infos(path, *_read_header(path))
+
+
+def _infos(shard: Path, header: dict, data_start: int) -> dict[str, TensorInfo]:
+    return {
+        name: TensorInfo(
+            name, _DTYPES[info["dtype"]], tuple(info["shape"]), shard, data_start + info["data_offsets"][0]
+        )
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
 
 
 class ShardReader:
@@ -236,6 +248,24 @@ class ShardReader:
         if nbytes:
             self.read_range(info, 0, memoryview(buf.numpy()))
         return buf.view(info.dtype).view(info.shape)
+
+    def get_rows(self, info: TensorInfo, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (sorted, distinct int64 indices along dim 0) of a tensor, as a new tensor
+        [len(rows), *shape[1:]]: only their bytes are read, one read per run of consecutive rows."""
+        if len(info.shape) < 1:
+            raise RuntimeError(f"tensor {info.name!r} has no rows")
+        row_bytes = tensor_nbytes(info.shape[1:], info.dtype)
+        out = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        picked = rows.tolist()
+        start = 0
+        while start < len(picked):
+            end = start + 1  # [start, end): a run of consecutive rows, read at once
+            while end < len(picked) and picked[end] == picked[end - 1] + 1:
+                end += 1
+            self.read_range(info, picked[start] * row_bytes, view[start * row_bytes : end * row_bytes])
+            start = end
+        return out.view(info.dtype).view(len(picked), *info.shape[1:])
 
     def close(self) -> None:
         with self._lock:

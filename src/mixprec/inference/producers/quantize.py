@@ -113,10 +113,13 @@ def quantize_checkpoint(
     with folded(job, source, report, _scratch_selection) as (job, source):
         selection = select(job, source, report)
         calibration = calibrate_job(job, source, selection, report)
-        if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
-            report.algorithm = job.algorithm.to_dict()
-        plan = plan_tensors(job, source.ckpt, selection, calibration)
-        return write(job, source, selection, calibration, plan, report)
+        try:
+            if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
+                report.algorithm = job.algorithm.to_dict()
+            plan = plan_tensors(job, source.ckpt, selection, calibration)
+            return write(job, source, selection, calibration, plan, report)
+        finally:
+            calibration.close()
 
 
 def _scratch_selection(job: QuantizeJob, source: Source) -> Selection:

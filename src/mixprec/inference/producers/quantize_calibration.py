@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.calibration.layerwise import calibrate_layerwise
 from mixprec.inference.calibration.run import CalibrationResult, NothingObserved, calibrate
 from mixprec.inference.checkpoint.linear_weights import LinearWeights
+from mixprec.inference.checkpoint.spill import SpilledResults
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source
 from mixprec.inference.runtime.experts import unfuse_for_calibration
 from mixprec.progress import ProgressBars, progress_bar
@@ -39,7 +40,12 @@ class Calibration:
     kv_amax: dict[int, tuple[float, float]]
     kv_names: dict[int, str]
     info: dict[str, Any] | None
-    prequantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    prequantized: Mapping[str, QuantizedTensor] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Remove what `prequantized` keeps on disk (once the writer is done with it)."""
+        if isinstance(self.prequantized, SpilledResults):
+            self.prequantized.close()
 
 
 NOT_CALIBRATED = Calibration({}, {}, {}, None)
@@ -57,6 +63,18 @@ def calibrate_job(
     if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
         layer_by_layer = source.ckpt.total_bytes > 0.5 * _available_memory()
     gptq = _gptq_pass(job, source, selection)
+    try:
+        return _calibrate(job, source, selection, report, batches, names, layer_by_layer, gptq)
+    except BaseException:
+        if gptq is not None and isinstance(gptq.results, SpilledResults):
+            gptq.results.close()
+        raise
+
+
+def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: ConversionReport,
+               batches: list[torch.Tensor], names: list[str], layer_by_layer: bool,
+               gptq: GptqPass | None) -> Calibration:  # fmt: skip
+    """calibrate_job's run, once the batches and the GPTQ pass are ready."""
     if layer_by_layer or gptq is not None:
         n_blocks = int(source.config.get("num_hidden_layers") or 0)
         title = "GPTQ, block by block" if gptq is not None else "calibrating layer by layer"
@@ -81,7 +99,7 @@ def calibrate_job(
     if gptq is None:
         return Calibration(input_amax, result.kv_amax, kv_names, info)
     _record_gptq(job, gptq, batches, result.run.seconds, report)
-    return Calibration(input_amax, result.kv_amax, kv_names, info, dict(gptq.results))
+    return Calibration(input_amax, result.kv_amax, kv_names, info, gptq.results)
 
 
 def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPass | None:
@@ -97,8 +115,16 @@ def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPa
         )
     dtypes = {source.ckpt.tensors[f"{n}.weight"].dtype for n in selection.targets}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    # each block's rounded weights wait on disk for the writer, beside the output (memory: one block's)
     return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype,
-                    search=job.algorithm.uses_scale_search)  # fmt: skip
+                    search=job.algorithm.uses_scale_search,
+                    results=SpilledResults(_spill_dir(job)))  # fmt: skip
+
+
+def _spill_dir(job: QuantizeJob):
+    """Beside the output (its disk holds the output anyway), or the system's temporary directory."""
+    parent = job.output_dir.resolve().parent
+    return parent if parent.is_dir() else None
 
 
 def _record_gptq(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], seconds: float,

@@ -246,11 +246,12 @@ def _prequantized_task(reader: ShardReader, info, module: str, shape: tuple[int,
     statistics (amax, and the relative error of the rounded weight against it)."""
     buf = in_pool.get()
     try:
+        # .float() of an fp32 weight is the buffer itself: the statistics before another thread reuses it
         w = reader.get(info, out=buf).float()
+        check_finite(w, info.name)
+        stats = rounding_stats(w, q)
     finally:
         in_pool.release(buf)
-    check_finite(w, info.name)
-    stats = rounding_stats(w, q)
     if sch.is_fp8:
         return {module: (*_fp8_outputs(q, stats, module, shape, sch, layout, in_amax), None)}
     return {module: (*block_outputs(q, stats, info, module, shape, sch, in_amax), None)}
