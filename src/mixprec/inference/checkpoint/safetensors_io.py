@@ -13,13 +13,14 @@ bytes are appended as soon as it exists; nothing is buffered beyond the tensor a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -284,27 +285,59 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+@dataclass(frozen=True)
+class FinishedShard:
+    """A shard file written in full and flushed to disk: its index in the plan, file name, size, sha256."""
+
+    index: int
+    name: str
+    nbytes: int
+    sha256: str
+
+
 class PlannedShardWriter:
     """Writes planned shards: header first, then each tensor's bytes the moment it is given.
 
     Tensors must be given in plan order. Each is checked against its plan (name, dtype, shape).
+    Each shard's sha256 is computed as it is written; once a shard is complete its file is flushed to
+    disk (fsync) and `on_shard(FinishedShard)` is called, so a resumable producer can record it.
+    `start_shard`: the shards before it are already on disk (a resumed run): writing starts with that
+    shard's first tensor, and tensors planned in the earlier shards are accepted and dropped.
     """
 
     def __init__(
-        self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None
-    ):
+        self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None,
+        *, start_shard: int = 0, on_shard: Callable[[FinishedShard], None] | None = None,
+    ):  # fmt: skip
         self.out_dir = out_dir
         self.shards = shards
         self.names = shard_names(len(shards))
         self.metadata = {"format": "pt", **(metadata or {})}
         self._order = [(i, t) for i, shard in enumerate(shards) for t in shard]
-        self._pos = 0
+        self._pos = sum(len(s) for s in shards[:start_shard])
+        self._dropped = {t.name for _, t in self._order[: self._pos]}
+        self._on_shard = on_shard
         self._file = None
+        self._hash = None
         self._shard = -1
+
+    def _put(self, data) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+
+    def _finish_shard(self) -> None:
+        """Close the open shard; flush it to disk and report it."""
+        f, self._file = self._file, None
+        f.flush()
+        os.fsync(f.fileno())
+        nbytes = f.tell()
+        f.close()
+        if self._on_shard is not None:
+            self._on_shard(FinishedShard(self._shard, self.names[self._shard], nbytes, self._hash.hexdigest()))
 
     def _open_shard(self, i: int) -> None:
         if self._file is not None:
-            self._file.close()
+            self._finish_shard()
         header: dict[str, object] = {"__metadata__": self.metadata}
         offset = 0
         for t in self.shards[i]:
@@ -316,12 +349,15 @@ class PlannedShardWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)  # data aligned to 8 bytes, as safetensors writes it
-        self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _open_shard/close
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _finish_shard/abort
+        self._hash = hashlib.sha256()
         self._shard = i
+        self._put(struct.pack("<Q", len(raw)))
+        self._put(raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._dropped:  # planned in a shard a resumed run already holds
+            return
         if self._pos >= len(self._order):
             raise RuntimeError(f"tensor {name!r} was not planned")
         i, plan = self._order[self._pos]
@@ -334,13 +370,15 @@ class PlannedShardWriter:
             self._open_shard(i)
         t = tensor.detach().contiguous().cpu()
         if t.numel():
-            self._file.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            self._put(memoryview(t.view(-1).view(torch.uint8).numpy()))
         self._pos += 1
 
     def write_chunks(
         self, name: str, dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[memoryview]
     ) -> None:
         """Write a planned tensor from its raw bytes, given in pieces (streamed, never whole in memory)."""
+        if name in self._dropped:
+            return
         if self._pos >= len(self._order):
             raise RuntimeError(f"tensor {name!r} was not planned")
         i, plan = self._order[self._pos]
@@ -351,7 +389,7 @@ class PlannedShardWriter:
             self._open_shard(i)
         written = 0
         for chunk in chunks:
-            self._file.write(chunk)
+            self._put(chunk)
             written += len(chunk)
         if written != plan.nbytes:
             raise RuntimeError(f"tensor {name}: {written} bytes written, {plan.nbytes} planned")
@@ -363,8 +401,7 @@ class PlannedShardWriter:
             missing = self._order[self._pos][1].name
             raise RuntimeError(f"output incomplete: tensor {missing!r} was never written")
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            self._finish_shard()
         return {t.name: self.names[i] for i, t in self._order}
 
     def abort(self) -> None:
