@@ -21,7 +21,7 @@ from mixprec.errors import MixprecError
 from mixprec.inference import quantize_checkpoint
 from mixprec.inference.checkpoint.safetensors_io import PlannedShardWriter
 from mixprec.inference.producers import quantize as quantize_module
-from mixprec.inference.producers import quantize_stream
+from mixprec.inference.producers import quantize_folds, quantize_stream
 from mixprec.inference.producers.resume import MANIFEST, OUTPUT_SUBDIR, PartialRun, work_dir_of
 
 CALIB = dict(calib_samples=8, calib_seq_len=32)
@@ -32,6 +32,7 @@ CASES = {
     "nvfp4a16": {"max_shard_size": "36000"},  # fused q/k/v and gate/up groups share one task
     "fp8-static": {"max_shard_size": "32000", "kv_cache": "fp8"},  # calibrated: the result is kept
     "mxfp4a16+gptq": {"max_shard_size": "34000", "algorithm": "gptq"},  # the rounded weights are kept
+    "fp8-dynamic+rotate": {"max_shard_size": "33000", "algorithm": "rotate"},  # the folded model is kept
 }
 
 
@@ -131,7 +132,7 @@ def _interrupt(monkeypatch, kill: str, llama_dir, out, case, calib_file) -> None
 @pytest.mark.parametrize("case", list(CASES))
 def test_interrupted_then_resumed_is_byte_identical(case, kill, references, llama_dir, calib_file, tmp_path,
                                                     monkeypatch):  # fmt: skip
-    if kill == "after-calibration" and case in ("fp8-dynamic", "nvfp4a16"):
+    if kill == "after-calibration" and case in ("fp8-dynamic", "nvfp4a16", "fp8-dynamic+rotate"):
         pytest.skip("nothing is calibrated")
     out = tmp_path / "q"
     _interrupt(monkeypatch, kill, llama_dir, out, case, calib_file)
@@ -141,6 +142,7 @@ def test_interrupted_then_resumed_is_byte_identical(case, kill, references, llam
     monkeypatch.setattr(quantize_stream, "_quantize_task",
                         lambda r, info, *a, **k: quantized.append(info.name) or original_task(r, info, *a, **k))  # fmt: skip
     monkeypatch.setattr(quantize_module, "calibrate_job", _no_second_calibration)
+    monkeypatch.setattr(quantize_folds, "_fold_into", _no_second_fold)
     report = _quantize(llama_dir, out, case, calib_file, resume=True)
     assert _files(out) == _files(references[case])
     assert not work_dir_of(out).exists()
@@ -149,6 +151,10 @@ def test_interrupted_then_resumed_is_byte_identical(case, kill, references, llam
     if case in ("fp8-dynamic", "fp8-static"):  # the finished shards' Linears were not quantized again
         assert not {f"{m}.weight" for m in finished} & set(quantized)
         assert len(quantized) == len(report.layers) - len(finished) > 0 or kill == "before-publish"
+
+
+def _no_second_fold(*args):
+    raise AssertionError("a resumed run folded the model again")
 
 
 def _no_second_calibration(job, *args):

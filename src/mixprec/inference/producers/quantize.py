@@ -116,7 +116,7 @@ def quantize_checkpoint(
         recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
         param_dtype=str(source.config.get("dtype") or source.config.get("torch_dtype")), output=str(job.output_dir),
     )  # fmt: skip
-    with partial_run(job, source) as run, folded(job, source, report, _scratch_selection) as (job, source):
+    with partial_run(job, source) as run, folded(job, source, report, _scratch_selection, run) as (job, source):
         selection = select(job, source, report)
         calibration = _calibrate(job, source, selection, report, run)
         if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters

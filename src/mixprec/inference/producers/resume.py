@@ -7,6 +7,7 @@ Where the unfinished output lives: `.<output name>.partial/` beside --output (fi
                     calibration result, each finished shard with its size and sha256, and the
                     scales-file entries of the Linears those shards hold
     calibration.safetensors   the weights GPTQ rounded (only with --algorithm gptq)
+    folded/         the folded model (only with --algorithm rotate, smoothquant or awq), read as the input
     output/         the checkpoint being written: the finished shards, then the one in progress; no
                     index, config.json or side files until the very end, when output/ is renamed onto
                     --output and the work directory removed
@@ -61,6 +62,7 @@ KIND = "mixprec-quantize-partial"
 MANIFEST = "manifest.json"
 PREQUANTIZED_FILE = "calibration.safetensors"
 OUTPUT_SUBDIR = "output"
+FOLDED_SUBDIR = "folded"
 
 
 def work_dir_of(output_dir: Path) -> Path:
@@ -134,10 +136,25 @@ class PartialRun:
 
     @property
     def has_progress(self) -> bool:
-        return self.manifest["calibration"] is not None or bool(self.manifest["shards"])
+        m = self.manifest
+        return m["calibration"] is not None or bool(m["shards"]) or m.get("folds") is not None
 
     def _save(self) -> None:
         write_json_atomic(self.work / MANIFEST, self.manifest, indent=None, separators=(",", ":"))
+
+    # ---- folds (--algorithm rotate, smoothquant, awq) -------------------------------------------------
+    @property
+    def folded_dir(self) -> Path:
+        """Where the folded model is kept."""
+        return self.work / FOLDED_SUBDIR
+
+    def folds_record(self) -> dict[str, Any] | None:
+        """The folds' record once the folded model is complete in folded_dir (None before)."""
+        return self.manifest.get("folds")
+
+    def save_folds(self, record: dict[str, Any]) -> None:
+        self.manifest["folds"] = record
+        self._save()
 
     # ---- calibration ------------------------------------------------------------------------------
     def save_calibration(self, cal: Calibration, report: ConversionReport, before: ReportMark) -> None:
@@ -247,7 +264,7 @@ def _fresh_manifest(identity: dict[str, Any]) -> dict[str, Any]:
     from mixprec import __version__
 
     return {"schema_version": SCHEMA_VERSION, "kind": KIND, "producer": f"mixprec {__version__}",
-            "identity": identity, "calibration": None, "shards": [], "layers": {}}  # fmt: skip
+            "identity": identity, "folds": None, "calibration": None, "shards": [], "layers": {}}  # fmt: skip
 
 
 def _read_manifest(work: Path, identity: dict[str, Any]) -> dict[str, Any]:
