@@ -257,3 +257,22 @@ def test_bad_input_error_leaves_nothing_even_when_resumable(llama_dir, calib_fil
     with pytest.raises(MixprecError, match="bad tensor"):
         _quantize(llama_dir, out, "fp8-dynamic", calib_file)
     assert not (tmp_path / "sub").exists()
+
+
+def test_a_second_process_on_the_same_output_is_refused(llama_dir, calib_file, tmp_path, monkeypatch):
+    """While a run holds the work directory (flock), another one is refused and changes nothing."""
+    fcntl = pytest.importorskip("fcntl")
+    out = tmp_path / "q"
+    _interrupt(monkeypatch, "after-shard-1", llama_dir, out, "fp8-dynamic", calib_file)
+    before = _files(work_dir_of(out) / OUTPUT_SUBDIR)
+    fd = os.open(work_dir_of(out), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for kw in ({"resume": True}, {"force": True}):
+            with pytest.raises(MixprecError, match="another process is writing"):
+                _quantize(llama_dir, out, "fp8-dynamic", calib_file, **kw)
+    finally:
+        os.close(fd)
+    assert _files(work_dir_of(out) / OUTPUT_SUBDIR) == before
+    report = _quantize(llama_dir, out, "fp8-dynamic", calib_file, resume=True)
+    assert any(n.startswith("resumed: 2 of ") for n in report.notes)

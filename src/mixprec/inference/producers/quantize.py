@@ -230,6 +230,8 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     layers: dict[str, dict[str, Any]] = {}
     shards = ShardMap(plan_shards(plan.tensors, job.max_shard_bytes), selection, job.format)
     start = run.start_shard_of(shards, report)
+    if start:
+        report.notes.append(f"resumed: {start} of {len(shards.names)} shards kept from the partial run")
     stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
                         *nvfp4_groups(ckpt, selection.targets, schemes), calibration.prequantized,
                         job.algorithm.uses_scale_search, shards.done_inputs(ckpt, start, run.layers))  # fmt: skip

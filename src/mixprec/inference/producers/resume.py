@@ -41,6 +41,11 @@ from typing import Any
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not on Windows
+    fcntl = None
+
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.files import resumable_output_dir, write_json_atomic
@@ -297,22 +302,45 @@ def _open_manifest(job: QuantizeJob, work: Path, identity: dict[str, Any]) -> di
     return _fresh_manifest(identity)
 
 
+def _lock(work: Path) -> int | None:
+    """An exclusive lock on the work directory (flock on the directory, held while the run lasts): a
+    second process quantizing to the same output is refused instead of writing the same files."""
+    if fcntl is None:  # no flock on this platform: no guard
+        return None
+    fd = os.open(work, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise MixprecError(f"another process is writing {work} (a quantization to the same output is "
+                           "running); wait for it to end") from None  # fmt: skip
+    return fd
+
+
 @contextmanager
 def partial_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
     """The run's work directory (continued with --resume, made otherwise); published onto the output
     when the body completes, kept on an interruption once it holds finished work (module docstring)."""
     work = work_dir_of(job.output_dir)
-    manifest = _open_manifest(job, work, job_identity(job, source))
-    run = PartialRun(work, manifest)
+    fd = _lock(work) if work.is_dir() else None
+    try:
+        run = PartialRun(work, _open_manifest(job, work, job_identity(job, source)))
 
-    def keep(error: BaseException) -> bool:
-        return not isinstance(error, MixprecError) and run.has_progress
+        def keep(error: BaseException) -> bool:
+            return not isinstance(error, MixprecError) and run.has_progress
 
-    with resumable_output_dir(job.output_dir, work, OUTPUT_SUBDIR, job.force, keep):
-        os.makedirs(run.output, exist_ok=True)
-        if not (work / MANIFEST).is_file():
-            run._save()
-        yield run
+        with resumable_output_dir(job.output_dir, work, OUTPUT_SUBDIR, job.force, keep):
+            if fd is not None and not (work / MANIFEST).is_file():  # the locked directory was discarded
+                os.close(fd)
+                fd = None
+            fd = _lock(work) if fd is None else fd
+            os.makedirs(run.output, exist_ok=True)
+            if not (work / MANIFEST).is_file():
+                run._save()
+            yield run
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 class ShardMap:
