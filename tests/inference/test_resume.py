@@ -22,7 +22,7 @@ from mixprec.inference import quantize_checkpoint
 from mixprec.inference.checkpoint.safetensors_io import PlannedShardWriter
 from mixprec.inference.producers import quantize as quantize_module
 from mixprec.inference.producers import quantize_folds, quantize_stream
-from mixprec.inference.producers.resume import MANIFEST, OUTPUT_SUBDIR, PartialRun, work_dir_of
+from mixprec.inference.producers.resume import MANIFEST, OUTPUT_SUBDIR, SHARDS_LOG, PartialRun, work_dir_of
 
 CALIB = dict(calib_samples=8, calib_seq_len=32)
 # case: options; each shard bound cuts the tiny Llama's ~0.5 MB into 9 to 23 shards, some Linears' tensors
@@ -68,9 +68,10 @@ def references(llama_dir, calib_file, tmp_path_factory):
 def _kill_after_shard(monkeypatch, k: int) -> None:
     original = PartialRun.shard_done
 
-    def shard_done(self, shard, *args):
-        original(self, shard, *args)
-        if shard.index == k:
+    def shard_done(self, index, *args):
+        original(self, index, *args)
+        if index == k:
+            self.wait()  # the shard's record written (in the background, in a real run)
             raise SimulatedKill(f"after shard {k}")
 
     monkeypatch.setattr(PartialRun, "shard_done", shard_done)
@@ -136,7 +137,7 @@ def test_interrupted_then_resumed_is_byte_identical(case, kill, references, llam
         pytest.skip("nothing is calibrated")
     out = tmp_path / "q"
     _interrupt(monkeypatch, kill, llama_dir, out, case, calib_file)
-    finished = json.loads((work_dir_of(out) / MANIFEST).read_text())["layers"]  # Linears in finished shards
+    finished = PartialRun(work_dir_of(out), {}).layers  # the Linears in finished shards
     quantized = []
     original_task = quantize_stream._quantize_task
     monkeypatch.setattr(quantize_stream, "_quantize_task",
@@ -181,9 +182,10 @@ def test_kill_9_then_cli_resume(references, llama_dir, tmp_path):
 import os, signal, sys
 from mixprec.inference.producers.resume import PartialRun
 original = PartialRun.shard_done
-def shard_done(self, shard, *args):
-    original(self, shard, *args)
-    if shard.index == 2:
+def shard_done(self, index, *args):
+    original(self, index, *args)
+    if index == 2:
+        self.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 PartialRun.shard_done = shard_done
 from mixprec.cli import main
@@ -194,7 +196,7 @@ sys.exit(main(["quantize", "--model", {str(llama_dir)!r}, "--output", {str(out)!
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert not out.exists()
-    assert len(json.loads((work_dir_of(out) / MANIFEST).read_text())["shards"]) == 3
+    assert len(PartialRun(work_dir_of(out), {}).shards) == 3
     argv = ["quantize", "--model", str(llama_dir), "--output", str(out), "--max-shard-size", "33000", "--quiet"]
     assert main([*argv, "--resume"]) == 0
     assert _files(out) == _files(references["fp8-dynamic"])
@@ -248,8 +250,8 @@ def test_bad_input_error_leaves_nothing_even_when_resumable(llama_dir, calib_fil
     """A MixprecError (bad input) discards the partial run as any failed run leaves nothing behind."""
     original = PartialRun.shard_done
 
-    def shard_done(self, shard, *args):
-        original(self, shard, *args)
+    def shard_done(self, index, *args):
+        original(self, index, *args)
         raise MixprecError("bad tensor")
 
     monkeypatch.setattr(PartialRun, "shard_done", shard_done)
@@ -276,3 +278,26 @@ def test_a_second_process_on_the_same_output_is_refused(llama_dir, calib_file, t
     assert _files(work_dir_of(out) / OUTPUT_SUBDIR) == before
     report = _quantize(llama_dir, out, "fp8-dynamic", calib_file, resume=True)
     assert any(n.startswith("resumed: 2 of ") for n in report.notes)
+
+
+def test_a_changed_shard_and_a_cut_log_line_are_written_again(references, llama_dir, calib_file, tmp_path,
+                                                              monkeypatch):  # fmt: skip
+    """A finished shard whose bytes changed is written again, with every shard after it; a record cut by
+    the kill (the log's last line without its end) counts as not written."""
+    out = tmp_path / "q"
+    _interrupt(monkeypatch, "after-shard-4", llama_dir, out, "fp8-dynamic", calib_file)
+    work = work_dir_of(out)
+    run = PartialRun(work, {})
+    assert len(run.shards) == 5
+    with open(work / SHARDS_LOG, "a") as f:
+        f.write('{"index":5,"name":"model-00006-of')  # a record cut by the kill
+    assert len(PartialRun(work, {}).shards) == 5
+    shard = work / OUTPUT_SUBDIR / run.shards[2]["name"]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="missing or changed; it is written again"):
+        report = quantize_checkpoint(llama_dir, out, "fp8-dynamic", progress=False, resume=True,
+                                     **CASES["fp8-dynamic"])  # fmt: skip
+    assert any(n.startswith("resumed: 2 of ") for n in report.notes)
+    assert _files(out) == _files(references["fp8-dynamic"])

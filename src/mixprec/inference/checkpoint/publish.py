@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 from mixprec.errors import MixprecError
 from mixprec.files import atomic_output_dir, write_json_atomic
 from mixprec.inference.checkpoint.safetensors_io import (
-    FinishedShard,
     PlannedShardWriter,
     PlannedTensor,
     plan_shards,
@@ -54,7 +53,7 @@ def publish(
     scales: Callable[[], dict[str, Any]] | None = None,
     into: Path | None = None,
     start_shard: int = 0,
-    on_shard: Callable[[FinishedShard], None] | None = None,
+    on_shard: Callable[[int, Path], None] | None = None,
 ) -> T | None:
     """Write a checkpoint to `out` the one way every producer does, atomically (mixprec.files: a
     temporary directory renamed into place once complete, nothing left behind on error):
@@ -68,7 +67,7 @@ def publish(
 
     A resumable producer passes `into`: the directory to write (it publishes that directory itself,
     files.resumable_output_dir), `start_shard` (the shards before it are already there) and `on_shard`
-    (told of each shard once it is complete on disk).
+    (told of each shard file once it is complete).
 
     Returns what `side_files` returned (None without it)."""
     place = atomic_output_dir(out, force) if into is None else nullcontext(into)

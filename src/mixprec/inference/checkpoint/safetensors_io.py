@@ -13,7 +13,6 @@ bytes are appended as soon as it exists; nothing is buffered beyond the tensor a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -285,29 +284,18 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-@dataclass(frozen=True)
-class FinishedShard:
-    """A shard file written in full and flushed to disk: its index in the plan, file name, size, sha256."""
-
-    index: int
-    name: str
-    nbytes: int
-    sha256: str
-
-
 class PlannedShardWriter:
     """Writes planned shards: header first, then each tensor's bytes the moment it is given.
 
     Tensors must be given in plan order. Each is checked against its plan (name, dtype, shape).
-    Each shard's sha256 is computed as it is written; once a shard is complete its file is flushed to
-    disk (fsync) and `on_shard(FinishedShard)` is called, so a resumable producer can record it.
-    `start_shard`: the shards before it are already on disk (a resumed run): writing starts with that
-    shard's first tensor, and tensors planned in the earlier shards are accepted and dropped.
+    Once a shard file is complete and closed, `on_shard(index, path)` is called (a resumable producer
+    records it). `start_shard`: the shards before it are already on disk (a resumed run): writing starts
+    with that shard's first tensor, and tensors planned in the earlier shards are accepted and dropped.
     """
 
     def __init__(
         self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None,
-        *, start_shard: int = 0, on_shard: Callable[[FinishedShard], None] | None = None,
+        *, start_shard: int = 0, on_shard: Callable[[int, Path], None] | None = None,
     ):  # fmt: skip
         self.out_dir = out_dir
         self.shards = shards
@@ -318,22 +306,14 @@ class PlannedShardWriter:
         self._dropped = {t.name for _, t in self._order[: self._pos]}
         self._on_shard = on_shard
         self._file = None
-        self._hash = None
         self._shard = -1
 
-    def _put(self, data) -> None:
-        self._file.write(data)
-        self._hash.update(data)
-
     def _finish_shard(self) -> None:
-        """Close the open shard; flush it to disk and report it."""
+        """Close the open shard and report it."""
         f, self._file = self._file, None
-        f.flush()
-        os.fsync(f.fileno())
-        nbytes = f.tell()
         f.close()
         if self._on_shard is not None:
-            self._on_shard(FinishedShard(self._shard, self.names[self._shard], nbytes, self._hash.hexdigest()))
+            self._on_shard(self._shard, self.out_dir / self.names[self._shard])
 
     def _open_shard(self, i: int) -> None:
         if self._file is not None:
@@ -350,10 +330,9 @@ class PlannedShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)  # data aligned to 8 bytes, as safetensors writes it
         self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _finish_shard/abort
-        self._hash = hashlib.sha256()
         self._shard = i
-        self._put(struct.pack("<Q", len(raw)))
-        self._put(raw)
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._dropped:  # planned in a shard a resumed run already holds
@@ -370,7 +349,7 @@ class PlannedShardWriter:
             self._open_shard(i)
         t = tensor.detach().contiguous().cpu()
         if t.numel():
-            self._put(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            self._file.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
         self._pos += 1
 
     def write_chunks(
@@ -389,7 +368,7 @@ class PlannedShardWriter:
             self._open_shard(i)
         written = 0
         for chunk in chunks:
-            self._put(chunk)
+            self._file.write(chunk)
             written += len(chunk)
         if written != plan.nbytes:
             raise RuntimeError(f"tensor {name}: {written} bytes written, {plan.nbytes} planned")

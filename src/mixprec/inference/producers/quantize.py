@@ -254,7 +254,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
         config=lambda: _output_config(job, source.config, selection),
         side_files=lambda tmp: _side_files(job, tmp, report), scales=scales, into=run.output,
-        start_shard=start, on_shard=lambda done: run.shard_done(done, layers, shards.modules_within(done.index)),
+        start_shard=start, on_shard=run.recorder(shards, layers),
     )  # fmt: skip
     report.weight_bytes_after = sum(t.nbytes for t in plan.tensors)
     for name, (kind, why) in selection.kept.items():

@@ -12,8 +12,10 @@ Where the unfinished output lives: `.<output name>.partial/` beside --output (fi
                     index, config.json or side files until the very end, when output/ is renamed onto
                     --output and the work directory removed
 
-The manifest is rewritten (atomically) after calibration and after every shard is complete and flushed
-to disk, so a kill at any point loses at most the shard in progress. A resumed run checks the job's
+The manifest is rewritten (atomically) after the folds, after calibration and after every shard is
+complete (its sha256 computed on a background thread, off the writer's path), so a kill at any point
+loses at most the shards not yet recorded. Shards are not fsync'ed: after an OS crash a shard the disk
+lost fails the sha256 check on resume and is written again. A resumed run checks the job's
 identity (refused, naming what differs), reuses the calibration result (no second calibration), checks
 every finished shard's size and sha256 (a shard that fails is written again, with the ones after it),
 and starts writing at the first unfinished shard: input tensors whose outputs all lie in finished
@@ -34,7 +36,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,13 +51,12 @@ except ImportError:  # not on Windows
 
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
-from mixprec.files import resumable_output_dir, write_json_atomic
+from mixprec.files import resumable_output_dir, write_json_atomic, write_text_atomic
 from mixprec.formats import get_format
 from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.safetensors_io import (
     INDEX_NAME,
     Checkpoint,
-    FinishedShard,
     PlannedTensor,
     shard_names,
 )
@@ -65,6 +67,7 @@ from mixprec.scaling import Granularity, QuantizedTensor
 SCHEMA_VERSION = 1
 KIND = "mixprec-quantize-partial"
 MANIFEST = "manifest.json"
+SHARDS_LOG = "shards.jsonl"
 PREQUANTIZED_FILE = "calibration.safetensors"
 OUTPUT_SUBDIR = "output"
 FOLDED_SUBDIR = "folded"
@@ -127,12 +130,26 @@ def _differences(old: Any, new: Any, path: str = "") -> list[str]:
     return [f"{path} (partial run: {json.dumps(old)[:60]}; now: {json.dumps(new)[:60]})"]
 
 
+@dataclasses.dataclass(frozen=True)
+class FinishedShard:
+    """A complete shard file: its index in the plan, file name, size and sha256."""
+
+    index: int
+    name: str
+    nbytes: int
+    sha256: str
+
+
 class PartialRun:
-    """The work directory of one quantization and its manifest: what is finished, recorded as it finishes."""
+    """The work directory of one quantization and its manifest: what is finished, recorded as it finishes.
+    Finished shards are hashed and recorded on a background thread, in order, off the writer's path."""
 
     def __init__(self, work: Path, manifest: dict[str, Any]):
         self.work = work
         self.manifest = manifest
+        self.shards = _read_shard_log(work / SHARDS_LOG)  # the finished shards' records, in order
+        self._recorder: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
 
     @property
     def output(self) -> Path:
@@ -142,7 +159,7 @@ class PartialRun:
     @property
     def has_progress(self) -> bool:
         m = self.manifest
-        return m["calibration"] is not None or bool(m["shards"]) or m.get("folds") is not None
+        return m["calibration"] is not None or bool(self.shards) or m.get("folds") is not None
 
     def _save(self) -> None:
         write_json_atomic(self.work / MANIFEST, self.manifest, indent=None, separators=(",", ":"))
@@ -204,23 +221,55 @@ class PartialRun:
         return Calibration(rec["input_amax"], kv_amax, kv_names, rec["info"], pre)
 
     # ---- shards -----------------------------------------------------------------------------------
-    def shard_done(self, shard: FinishedShard, layers: Mapping[str, dict[str, Any]], modules: list[str]) -> None:
-        """Record a finished shard, and the scales-file entries of `modules` (the Linears wholly in
-        finished shards)."""
-        self.manifest["shards"].append(dataclasses.asdict(shard))
-        self.manifest["layers"] = {m: layers[m] for m in modules if m in layers}
-        self._save()
+    def shard_done(self, index: int, path: Path, layers: dict[str, dict[str, Any]]) -> None:
+        """Record a complete shard file (its sha256 computed in the background) with `layers`: the
+        scales-file entries of the Linears it completes."""
+        if self._recorder is None:
+            self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixprec-resume")
+        self._pending.append(self._recorder.submit(self._record_shard, index, path, layers))
+
+    def recorder(self, shards: ShardMap, layers: Mapping[str, dict[str, Any]]) -> Callable[[int, Path], None]:
+        """The writer's on_shard: records every shard but the last, with the scales-file entries (from
+        `layers`, filled as the stream goes) of the Linears it completes. The last shard is followed at
+        once by the publish: a kill in between costs that shard, and its hash stays off the end of the run."""
+
+        def record(index: int, path: Path) -> None:
+            if index < len(shards.names) - 1:
+                self.shard_done(index, path, shards.layers_completed_by(index, layers))
+
+        return record
+
+    def _record_shard(self, index: int, path: Path, layers: dict[str, dict[str, Any]]) -> None:
+        """One line appended to the shard log (a line cut by a kill is ignored when read)."""
+        shard = FinishedShard(index, path.name, path.stat().st_size, _sha256(path))
+        rec = {**dataclasses.asdict(shard), "layers": layers}
+        with open(self.work / SHARDS_LOG, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self.shards.append(rec)
+
+    def wait(self) -> None:
+        """Wait until every finished shard is recorded; raise what recording raised."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._recorder is not None:
+                self._recorder.shutdown(wait=True)
 
     @property
     def layers(self) -> dict[str, dict[str, Any]]:
         """The scales-file entries of the Linears the finished shards hold."""
-        return self.manifest["layers"]
+        return {m: e for rec in self.shards for m, e in rec["layers"].items()}
 
     def start_shard_of(self, shards: ShardMap, report: ConversionReport) -> int:
         """The first shard to write: the finished shards are kept while each is the one planned there and
         its file has the recorded size and sha256; from the first that is not, shards are written again."""
         kept = []
-        for i, rec in enumerate(self.manifest["shards"]):
+        for i, rec in enumerate(self.shards):
             path = self.output / rec["name"]
             if i >= len(shards.names) or rec["index"] != i or rec["name"] != shards.names[i]:
                 break
@@ -228,10 +277,27 @@ class PartialRun:
                 report.warn(f"--resume: finished shard {path} is missing or changed; it is written again", depth=2)
                 break
             kept.append(rec)
-        if len(kept) < len(self.manifest["shards"]):
-            self.manifest["shards"] = kept
-            self._save()
+        if len(kept) < len(self.shards):
+            self.shards = kept
+            text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept)
+            write_text_atomic(self.work / SHARDS_LOG, text)
         return len(kept)
+
+
+def _read_shard_log(path: Path) -> list[dict[str, Any]]:
+    """The shard records of the log, up to the first line that is not a whole record (cut by a kill)."""
+    records: list[dict[str, Any]] = []
+    if not path.is_file():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            rec = json.loads(line) if line.endswith("\n") else None
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not {"index", "name", "nbytes", "sha256", "layers"} <= rec.keys():
+            break
+        records.append(rec)
+    return records
 
 
 def _sha256(path: Path) -> str:
@@ -269,7 +335,7 @@ def _fresh_manifest(identity: dict[str, Any]) -> dict[str, Any]:
     from mixprec import __version__
 
     return {"schema_version": SCHEMA_VERSION, "kind": KIND, "producer": f"mixprec {__version__}",
-            "identity": identity, "folds": None, "calibration": None, "shards": [], "layers": {}}  # fmt: skip
+            "identity": identity, "folds": None, "calibration": None}  # fmt: skip
 
 
 def _read_manifest(work: Path, identity: dict[str, Any]) -> dict[str, Any]:
@@ -337,7 +403,10 @@ def partial_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
             os.makedirs(run.output, exist_ok=True)
             if not (work / MANIFEST).is_file():
                 run._save()
-            yield run
+            try:
+                yield run
+            finally:  # on an interruption too: a shard written in full is recorded
+                run.close()
     finally:
         if fd is not None:
             os.close(fd)
@@ -357,10 +426,13 @@ class ShardMap:
             for m, dims in selection.targets.items()
         }
         self.shard_of = shard_of
+        self.completed_by: dict[int, list[str]] = {}
+        for m, last in self.last_shard.items():
+            self.completed_by.setdefault(last, []).append(m)
 
-    def modules_within(self, index: int) -> list[str]:
-        """The Linears whose tensors all lie in shards 0..index."""
-        return [m for m, last in self.last_shard.items() if last <= index]
+    def layers_completed_by(self, index: int, layers: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The entries of `layers` of the Linears whose last tensor lies in shard `index`."""
+        return {m: layers[m] for m in self.completed_by.get(index, ()) if m in layers}
 
     def done_inputs(self, ckpt: Checkpoint, start: int, layers: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any] | None]:  # fmt: skip
         """{input tensor: its Linear's recorded scales-file entry, or None for a tensor written unchanged}
