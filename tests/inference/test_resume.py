@@ -170,7 +170,9 @@ def _no_second_calibration(job, *args):
 def test_a_linear_is_cut_by_a_shard_boundary(case, references):
     """The boundary case of a resumed writer (a Linear's payload in one shard, its scale in the next) occurs."""
     index = json.loads((references[case] / "model.safetensors.index.json").read_text())["weight_map"]
-    payload = {n.rsplit(".", 1)[0]: shard for n, shard in index.items() if n.endswith((".weight", ".weight_packed"))}
+    payload = {
+        n.rsplit(".", 1)[0]: shard for n, shard in index.items() if n.endswith((".weight", ".weight_packed"))
+    }
     cut = [n for n in index if n.endswith(".weight_scale") and index[n] != payload[n.rsplit(".", 1)[0]]]
     assert cut
 
@@ -197,7 +199,16 @@ sys.exit(main(["quantize", "--model", {str(llama_dir)!r}, "--output", {str(out)!
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert not out.exists()
     assert len(PartialRun(work_dir_of(out), {}).shards) == 3
-    argv = ["quantize", "--model", str(llama_dir), "--output", str(out), "--max-shard-size", "33000", "--quiet"]
+    argv = [
+        "quantize",
+        "--model",
+        str(llama_dir),
+        "--output",
+        str(out),
+        "--max-shard-size",
+        "33000",
+        "--quiet",
+    ]
     assert main([*argv, "--resume"]) == 0
     assert _files(out) == _files(references["fp8-dynamic"])
     assert not work_dir_of(out).exists()
@@ -206,7 +217,9 @@ sys.exit(main(["quantize", "--model", {str(llama_dir)!r}, "--output", {str(out)!
 def test_resume_of_another_job_is_refused(llama_dir, calib_file, tmp_path, monkeypatch):
     out = tmp_path / "q"
     _interrupt(monkeypatch, "after-shard-1", llama_dir, out, "fp8-dynamic", calib_file)
-    with pytest.raises(MixprecError, match=r"another job: scheme \(partial run: \"fp8-dynamic\"; now: \"fp8-block\"\)"):
+    with pytest.raises(
+        MixprecError, match=r"another job: scheme \(partial run: \"fp8-dynamic\"; now: \"fp8-block\"\)"
+    ):
         _quantize(llama_dir, out, "fp8-dynamic", calib_file, scheme="fp8-block", resume=True)
     with pytest.raises(MixprecError, match="another job: max_shard_bytes"):
         _quantize(llama_dir, out, "fp8-dynamic", calib_file, max_shard_size="1MB", resume=True)
@@ -229,7 +242,9 @@ def test_partial_run_refused_without_resume_and_discarded_by_force(references, l
                                                                    monkeypatch):  # fmt: skip
     out = tmp_path / "q"
     _interrupt(monkeypatch, "after-calibration", llama_dir, out, "fp8-static", calib_file)
-    with pytest.raises(MixprecError, match=r"a partial run .* pass --resume to continue it, or --force to discard it"):
+    with pytest.raises(
+        MixprecError, match=r"a partial run .* pass --resume to continue it, or --force to discard it"
+    ):
         _quantize(llama_dir, out, "fp8-static", calib_file)
     calibrated = []
     original = quantize_module.calibrate_job

@@ -100,10 +100,8 @@ def quantize_checkpoint(
     compressed-tensors config group per scheme; every Linear it does not name stays in high precision.
     algorithm: what rounds the weights beyond round to nearest ("gptq", or an AlgorithmSpec with its
     parameters; docs/algorithms.md); it learns from calib_data and is recorded in the report's
-    `algorithm` and the checkpoint's mixprec_algorithm.json.
-    resume: continue the partial run a killed quantization left beside output_dir (producers/resume.py:
-    refused when its job differs; without one, start afresh). Without resume a partial run is refused,
-    and force discards it.
+    `algorithm` and the checkpoint's mixprec_algorithm.json. resume: continue the partial run a killed
+    run left beside output_dir (producers/resume.py); force without resume discards it.
     """
     job = QuantizeJob.build(
         model_dir, output_dir, scheme, ignore=ignore, default_ignore=default_ignore, kv_cache=kv_cache,
@@ -116,7 +114,10 @@ def quantize_checkpoint(
         recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
         param_dtype=str(source.config.get("dtype") or source.config.get("torch_dtype")), output=str(job.output_dir),
     )  # fmt: skip
-    with partial_run(job, source) as run, folded(job, source, report, _scratch_selection, run) as (job, source):
+    with (
+        partial_run(job, source) as run,
+        folded(job, source, report, _scratch_selection, run) as (job, source),
+    ):
         selection = select(job, source, report)
         calibration = _calibrate(job, source, selection, report, run)
         if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters

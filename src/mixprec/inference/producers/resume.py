@@ -3,18 +3,19 @@
 
 Where the unfinished output lives: `.<output name>.partial/` beside --output (files.resumable_output_dir)
 
-    manifest.json   what the run has finished (docs/schemas/resume.md): the job's identity, the
-                    calibration result, each finished shard with its size and sha256, and the
-                    scales-file entries of the Linears those shards hold
+    manifest.json   (docs/schemas/resume.md) the job's identity, the folds' and calibration's results
+    shards.jsonl    a line per finished shard: its size, sha256, and the scales-file entries of the
+                    Linears it completes (appended; a line cut by a kill is ignored)
     calibration.safetensors   the weights GPTQ rounded (only with --algorithm gptq)
     folded/         the folded model (only with --algorithm rotate, smoothquant or awq), read as the input
     output/         the checkpoint being written: the finished shards, then the one in progress; no
                     index, config.json or side files until the very end, when output/ is renamed onto
                     --output and the work directory removed
 
-The manifest is rewritten (atomically) after the folds, after calibration and after every shard is
-complete (its sha256 computed on a background thread, off the writer's path), so a kill at any point
-loses at most the shards not yet recorded. Shards are not fsync'ed: after an OS crash a shard the disk
+The manifest is rewritten (atomically) after the folds and after calibration; a shard's line is
+appended once the shard is complete (its sha256 computed on a background thread, off the writer's
+path; the last shard is not recorded, the publish follows it), so a kill at any point loses at most the
+shards not yet recorded. Shards are not fsync'ed: after an OS crash a shard the disk
 lost fails the sha256 check on resume and is written again. A resumed run checks the job's
 identity (refused, naming what differs), reuses the calibration result (no second calibration), checks
 every finished shard's size and sha256 (a shard that fails is written again, with the ones after it),
@@ -98,7 +99,9 @@ def job_identity(job: QuantizeJob, source: Source) -> dict[str, Any]:
         "mixprec": __version__,
         "input_files": files,
         "scheme": job.scheme.name,
-        "assignment": None if job.assignment is None else {n: s.name for n, s in sorted(job.assignment.items())},
+        "assignment": None
+        if job.assignment is None
+        else {n: s.name for n, s in sorted(job.assignment.items())},
         "ignore": list(job.ignore),
         "format": job.format,
         "kv_cache": job.kv_cache,
@@ -274,7 +277,9 @@ class PartialRun:
             if i >= len(shards.names) or rec["index"] != i or rec["name"] != shards.names[i]:
                 break
             if not path.is_file() or path.stat().st_size != rec["nbytes"] or _sha256(path) != rec["sha256"]:
-                report.warn(f"--resume: finished shard {path} is missing or changed; it is written again", depth=2)
+                report.warn(
+                    f"--resume: finished shard {path} is missing or changed; it is written again", depth=2
+                )
                 break
             kept.append(rec)
         if len(kept) < len(self.shards):
@@ -344,7 +349,9 @@ def _read_manifest(work: Path, identity: dict[str, Any]) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise MixprecError(f"--resume: {path} is not readable ({e}); pass --force to discard the partial run") from None
+        raise MixprecError(
+            f"--resume: {path} is not readable ({e}); pass --force to discard the partial run"
+        ) from None
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if manifest.get("kind") != KIND or not isinstance(version, int) or version > SCHEMA_VERSION:
         raise MixprecError(f"--resume: {path} is not a partial-run manifest this mixprec reads (schema_version "
@@ -430,7 +437,9 @@ class ShardMap:
         for m, last in self.last_shard.items():
             self.completed_by.setdefault(last, []).append(m)
 
-    def layers_completed_by(self, index: int, layers: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def layers_completed_by(
+        self, index: int, layers: Mapping[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
         """The entries of `layers` of the Linears whose last tensor lies in shard `index`."""
         return {m: layers[m] for m in self.completed_by.get(index, ()) if m in layers}
 
