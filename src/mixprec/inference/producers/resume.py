@@ -56,7 +56,6 @@ from mixprec.files import resumable_output_dir, write_json_atomic, write_text_at
 from mixprec.formats import get_format
 from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.safetensors_io import (
-    INDEX_NAME,
     Checkpoint,
     PlannedTensor,
     shard_names,
@@ -85,16 +84,15 @@ def _file_stamp(path: Path) -> list[int]:
 
 
 def job_identity(job: QuantizeJob, source: Source) -> dict[str, Any]:
-    """Everything that changes the output's bytes: the input files (sizes and modification times), the
+    """Everything that changes the output's bytes: the input directory's files (sizes and modification
+    times: shards, config, tokenizer, side files), the
     calibration texts (sha256 of what was read), the scheme and every option of the writer, calibration
     and algorithms, and the mixprec version. (layer_by_layer, strict and progress change no byte.)"""
     from mixprec import __version__
 
-    root = job.model_dir
-    files = {p.name: _file_stamp(p) for p in source.ckpt.shards}
-    for name in ("config.json", INDEX_NAME):
-        if (root / name).is_file():
-            files[name] = _file_stamp(root / name)
+    # every file of the input directory: shards, config, index, and the tokenizer calibration reads
+    files = {p.name: _file_stamp(p) for p in sorted(job.model_dir.iterdir()) if p.is_file()}
+    files.update({p.name: _file_stamp(p) for p in source.ckpt.shards})
     identity: dict[str, Any] = {
         "mixprec": __version__,
         "input_files": files,
