@@ -373,6 +373,10 @@ def _open_manifest(job: QuantizeJob, work: Path, identity: dict[str, Any]) -> di
     return _fresh_manifest(identity)
 
 
+class PartialRunBusy(MixprecError):
+    """Another process holds the partial run: it is left as it is."""
+
+
 def _lock(work: Path) -> int | None:
     """An exclusive lock on the work directory (flock on the directory, held while the run lasts): a
     second process quantizing to the same output is refused instead of writing the same files."""
@@ -383,7 +387,7 @@ def _lock(work: Path) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise MixprecError(f"another process is writing {work} (a quantization to the same output is "
+        raise PartialRunBusy(f"another process is writing {work} (a quantization to the same output is "
                            "running); wait for it to end") from None  # fmt: skip
     return fd
 
@@ -398,6 +402,8 @@ def partial_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
         run = PartialRun(work, _open_manifest(job, work, job_identity(job, source)))
 
         def keep(error: BaseException) -> bool:
+            if isinstance(error, PartialRunBusy):  # another process's work
+                return True
             return not isinstance(error, MixprecError) and run.has_progress
 
         with resumable_output_dir(job.output_dir, work, OUTPUT_SUBDIR, job.force, keep):
