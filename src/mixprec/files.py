@@ -8,6 +8,7 @@ the same path never share one, and file permissions follow the umask as any new 
     write_text_atomic(path, text) / write_bytes_atomic(path, data) / write_json_atomic(path, obj)
     with atomic_file(path) as tmp: torch.save(obj, tmp)         # a writer that wants a path
     with atomic_output_dir(out_dir, force) as tmp: ...           # a whole directory, published at the end
+    with resumable_output_dir(out_dir, work, "output", force, keep) as work: ...   # the same, resumable
     with staged_files(directory) as tmp: ...                     # files (e.g. a graph and its .data) moved in
     check_new_output(path, force)                                # refuse an existing output before any work
 """
@@ -19,7 +20,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,21 +88,30 @@ def replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _missing_parents(path: Path) -> list[Path]:
+    """The folders above `path` that do not exist yet, deepest first."""
+    parent = path.parent.absolute()
+    return [p for p in (parent, *parent.parents) if not p.exists()]
+
+
+def _remove_created(created: list[Path]) -> None:
+    for p in created:
+        try:
+            p.rmdir()  # only if empty: something another process put there stays
+        except OSError:
+            break
+
+
 @contextmanager
 def atomic_output_dir(output_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
     """Yield a temporary directory beside `output_dir`; on success it replaces `output_dir`, on any
     error it is removed, and so are the parent folders this call created, leaving nothing behind."""
     output_dir = Path(output_dir)
-    parent = output_dir.parent.absolute()
-    created = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
-    parent.mkdir(parents=True, exist_ok=True)
+    created = _missing_parents(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
 
     def remove_created() -> None:
-        for p in created:
-            try:
-                p.rmdir()  # only if empty: something another process put there stays
-            except OSError:
-                break
+        _remove_created(created)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
@@ -117,6 +127,35 @@ def atomic_output_dir(output_dir: str | os.PathLike, force: bool) -> Iterator[Pa
             f"output {output_dir} appeared while it was being written; pass --force to replace it"
         )
     replace_dir(tmp, output_dir)
+
+
+@contextmanager
+def resumable_output_dir(
+    output_dir: str | os.PathLike, work_dir: str | os.PathLike, subdir: str, force: bool,
+    keep: Callable[[BaseException], bool],
+) -> Iterator[Path]:  # fmt: skip
+    """atomic_output_dir for work that resumes after a kill: yields `work_dir` (a fixed place beside
+    `output_dir`, made if missing, its content kept); once the body completes, `work_dir/subdir` replaces
+    `output_dir` and `work_dir` is removed. On an error for which keep(error) is true `work_dir` stays,
+    for a later run to continue; on any other error it is removed, with the parent folders this call
+    created."""
+    output_dir, work_dir = Path(output_dir), Path(work_dir)
+    created = _missing_parents(output_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work_dir
+    except BaseException as e:
+        if not keep(e):
+            shutil.rmtree(work_dir, ignore_errors=True)
+            _remove_created(created)
+        raise
+    if output_dir.exists() and not force:
+        raise MixprecError(
+            f"output {output_dir} appeared while it was being written; pass --force to replace it "
+            f"(the finished run stays in {work_dir}: pass --resume --force to publish it)"
+        )
+    replace_dir(work_dir / subdir, output_dir)
+    shutil.rmtree(work_dir, ignore_errors=True)
 
 
 @contextmanager
@@ -141,6 +180,7 @@ __all__ = [
     "atomic_output_dir",
     "check_new_output",
     "replace_dir",
+    "resumable_output_dir",
     "staged_files",
     "write_bytes_atomic",
     "write_json_atomic",

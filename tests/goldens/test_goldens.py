@@ -58,7 +58,7 @@ def test_a_changed_byte_changes_the_digest(source):
 
         shutil.copytree(out, copy)
         scales = json.loads((copy / g.SCALES_FILE).read_text())
-        scales["calibration"]["seconds"] += 1.0
+        scales["calibration"]["seconds"] = 61.2  # times are in the report only; one here is still ignored
         scales["producer"] = "mixprec 9.9"
         (copy / g.SCALES_FILE).write_text(json.dumps(scales))
         assert g.directory_digests(copy)[g.SCALES_FILE] == before[g.SCALES_FILE]

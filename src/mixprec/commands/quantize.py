@@ -43,7 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_algorithm_arguments(parser)
     add_selection_arguments(parser)
     add_auto_arguments(parser)
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace an existing output directory; discard a partial run of it (unless --resume)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue the partial run a killed quantize left in .<output>.partial/ beside --output (refused "
+        "when its inputs or options differ; without one, start afresh); with --force, the result replaces an "
+        "existing --output",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -223,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")
     if args.scheme.strip().lower() == "auto":
+        if args.resume:
+            raise MixprecError("--resume continues one scheme's quantization; --scheme auto does not resume")
         return run_auto(args)
     if args.budget is not None or args.target_ppl_increase is not None:
         raise MixprecError("--budget and --target-ppl-increase are for --scheme auto")
@@ -246,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet and not args.json,
         strict=args.strict,
         algorithm=algorithm,
+        resume=args.resume,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

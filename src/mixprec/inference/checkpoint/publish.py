@@ -5,6 +5,7 @@ publish sequence every producer (quantize, save, convert) runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,6 +51,9 @@ def publish(
     config: Callable[[], dict[str, Any]],
     side_files: Callable[[Path], T] | None = None,
     scales: Callable[[], dict[str, Any]] | None = None,
+    into: Path | None = None,
+    start_shard: int = 0,
+    on_shard: Callable[[int, Path], None] | None = None,
 ) -> T | None:
     """Write a checkpoint to `out` the one way every producer does, atomically (mixprec.files: a
     temporary directory renamed into place once complete, nothing left behind on error):
@@ -61,9 +65,15 @@ def publish(
       side      `side_files(directory)`: tokenizer, generation config, extra config documents...
       scales    the scales file (model.fp8_scales.json), `scales()`, when given
 
+    A resumable producer passes `into`: the directory to write (it publishes that directory itself,
+    files.resumable_output_dir), `start_shard` (the shards before it are already there) and `on_shard`
+    (told of each shard file once it is complete).
+
     Returns what `side_files` returned (None without it)."""
-    with atomic_output_dir(out, force) as tmp:
-        writer = PlannedShardWriter(tmp, plan_shards(planned, max_shard_size), {"producer": producer})
+    place = atomic_output_dir(out, force) if into is None else nullcontext(into)
+    with place as tmp:
+        writer = PlannedShardWriter(tmp, plan_shards(planned, max_shard_size), {"producer": producer},
+                                    start_shard=start_shard, on_shard=on_shard)  # fmt: skip
         try:
             write_tensors(writer)
             weight_map = writer.close()

@@ -19,7 +19,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -318,23 +318,36 @@ class PlannedShardWriter:
     """Writes planned shards: header first, then each tensor's bytes the moment it is given.
 
     Tensors must be given in plan order. Each is checked against its plan (name, dtype, shape).
+    Once a shard file is complete and closed, `on_shard(index, path)` is called (a resumable producer
+    records it). `start_shard`: the shards before it are already on disk (a resumed run): writing starts
+    with that shard's first tensor, and tensors planned in the earlier shards are accepted and dropped.
     """
 
     def __init__(
-        self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None
-    ):
+        self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None,
+        *, start_shard: int = 0, on_shard: Callable[[int, Path], None] | None = None,
+    ):  # fmt: skip
         self.out_dir = out_dir
         self.shards = shards
         self.names = shard_names(len(shards))
         self.metadata = {"format": "pt", **(metadata or {})}
         self._order = [(i, t) for i, shard in enumerate(shards) for t in shard]
-        self._pos = 0
+        self._pos = sum(len(s) for s in shards[:start_shard])
+        self._dropped = {t.name for _, t in self._order[: self._pos]}
+        self._on_shard = on_shard
         self._file = None
         self._shard = -1
 
+    def _finish_shard(self) -> None:
+        """Close the open shard and report it."""
+        f, self._file = self._file, None
+        f.close()
+        if self._on_shard is not None:
+            self._on_shard(self._shard, self.out_dir / self.names[self._shard])
+
     def _open_shard(self, i: int) -> None:
         if self._file is not None:
-            self._file.close()
+            self._finish_shard()
         header: dict[str, object] = {"__metadata__": self.metadata}
         offset = 0
         for t in self.shards[i]:
@@ -346,12 +359,14 @@ class PlannedShardWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)  # data aligned to 8 bytes, as safetensors writes it
-        self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _open_shard/close
+        self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _finish_shard/abort
+        self._shard = i
         self._file.write(struct.pack("<Q", len(raw)))
         self._file.write(raw)
-        self._shard = i
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._dropped:  # planned in a shard a resumed run already holds
+            return
         if self._pos >= len(self._order):
             raise RuntimeError(f"tensor {name!r} was not planned")
         i, plan = self._order[self._pos]
@@ -371,6 +386,8 @@ class PlannedShardWriter:
         self, name: str, dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[memoryview]
     ) -> None:
         """Write a planned tensor from its raw bytes, given in pieces (streamed, never whole in memory)."""
+        if name in self._dropped:
+            return
         if self._pos >= len(self._order):
             raise RuntimeError(f"tensor {name!r} was not planned")
         i, plan = self._order[self._pos]
@@ -393,8 +410,7 @@ class PlannedShardWriter:
             missing = self._order[self._pos][1].name
             raise RuntimeError(f"output incomplete: tensor {missing!r} was never written")
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            self._finish_shard()
         return {t.name: self.names[i] for i, t in self._order}
 
     def abort(self) -> None:

@@ -44,6 +44,7 @@ from mixprec.inference.checkpoint.safetensors_io import (
     PlannedShardWriter,
     PlannedTensor,
     copy_side_files,
+    plan_shards,
 )
 from mixprec.inference.checkpoint.scales_file import build_document
 from mixprec.inference.mixed import KEPT_BY_ASSIGNMENT, PLAIN, apply_assignment
@@ -52,6 +53,7 @@ from mixprec.inference.producers.quantize_calibration import Calibration, calibr
 from mixprec.inference.producers.quantize_folds import folded
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, resolve
 from mixprec.inference.producers.quantize_stream import StreamPlan, stream_tensors
+from mixprec.inference.producers.resume import PartialRun, ReportMark, ShardMap, partial_run
 from mixprec.inference.schemes import (
     InferenceScheme,
     serving_reasons,
@@ -82,6 +84,7 @@ def quantize_checkpoint(
     progress: bool = True,
     strict: bool = False,
     algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
+    resume: bool = False,
 ) -> ConversionReport:
     """Quantize a local Hugging Face safetensors checkpoint to FP8 or FP4 (the scheme's format); write
     it to output_dir atomically. Only what the serving engines accept is written
@@ -97,29 +100,46 @@ def quantize_checkpoint(
     compressed-tensors config group per scheme; every Linear it does not name stays in high precision.
     algorithm: what rounds the weights beyond round to nearest ("gptq", or an AlgorithmSpec with its
     parameters; docs/algorithms.md); it learns from calib_data and is recorded in the report's
-    `algorithm` and the checkpoint's mixprec_algorithm.json.
+    `algorithm` and the checkpoint's mixprec_algorithm.json. resume: continue the partial run a killed
+    run left beside output_dir (producers/resume.py); force without resume discards it.
     """
     job = QuantizeJob.build(
         model_dir, output_dir, scheme, ignore=ignore, default_ignore=default_ignore, kv_cache=kv_cache,
         max_shard_size=max_shard_size, calib_data=calib_data, calib_samples=calib_samples,
         calib_seq_len=calib_seq_len, observer=observer, calib_stop=calib_stop, format=format, force=force,
-        layer_by_layer=layer_by_layer, progress=progress, strict=strict, algorithm=algorithm,
+        layer_by_layer=layer_by_layer, progress=progress, strict=strict, algorithm=algorithm, resume=resume,
     )  # fmt: skip
     source = resolve(job)
     report = ConversionReport(
         recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
         param_dtype=str(source.config.get("dtype") or source.config.get("torch_dtype")), output=str(job.output_dir),
     )  # fmt: skip
-    with folded(job, source, report, _scratch_selection) as (job, source):
+    with (
+        partial_run(job, source) as run,
+        folded(job, source, report, _scratch_selection, run) as (job, source),
+    ):
         selection = select(job, source, report)
-        calibration = calibrate_job(job, source, selection, report)
+        calibration = _calibrate(job, source, selection, report, run)
         try:
             if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
                 report.algorithm = job.algorithm.to_dict()
             plan = plan_tensors(job, source.ckpt, selection, calibration)
-            return write(job, source, selection, calibration, plan, report)
+            return write(job, source, selection, calibration, plan, report, run)
         finally:
-            calibration.close()
+            calibration.close()  # GPTQ's results spilled to disk between the walk and the writer
+
+
+def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: ConversionReport,
+               run: PartialRun) -> Calibration:  # fmt: skip
+    """The partial run's calibration result when it has one (--resume); else calibrate and record it."""
+    cached = run.cached_calibration(report)
+    if cached is not None:
+        return cached
+    mark = ReportMark.of(report)
+    calibration = calibrate_job(job, source, selection, report)
+    if job.calibrates:
+        run.save_calibration(calibration, report, mark)
+    return calibration
 
 
 def _scratch_selection(job: QuantizeJob, source: Source) -> Selection:
@@ -205,15 +225,20 @@ def plan_tensors(job: QuantizeJob, ckpt: Checkpoint, selection: Selection, calib
 
 
 def write(job: QuantizeJob, source: Source, selection: Selection, calibration: Calibration, plan: Plan,
-          report: ConversionReport) -> ConversionReport:  # fmt: skip
-    """Stream the tensors through the one publish (checkpoint/publish.py); complete the report."""
+          report: ConversionReport, run: PartialRun) -> ConversionReport:  # fmt: skip
+    """Stream the tensors through the one publish (checkpoint/publish.py) into the partial run's
+    output, from its first unfinished shard; complete the report."""
     from mixprec import __version__
 
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
+    shards = ShardMap(plan_shards(plan.tensors, job.max_shard_bytes), selection, job.format)
+    start = run.start_shard_of(shards, report)
+    if start:
+        report.notes.append(f"resumed: {start} of {len(shards.names)} shards kept from the partial run")
     stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
                         *nvfp4_groups(ckpt, selection.targets, schemes), calibration.prequantized,
-                        job.algorithm.uses_scale_search)  # fmt: skip
+                        job.algorithm.uses_scale_search, shards.done_inputs(ckpt, start, run.layers))  # fmt: skip
 
     def write_tensors(writer: PlannedShardWriter) -> None:
         stream_tensors(ckpt, writer, stream, layers, report, job.progress)
@@ -225,14 +250,15 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
             # block-format layers stay out: their scales are in the checkpoint, millions of them
             scheme=job.scheme.name, layout=job.format, layers={n: e for n, e in layers.items() if schemes[n].is_fp8},
             kv_cache=plan.kv_doc, ignored=selection.skipped,
-            calibration=calibration.info, producer=f"mixprec {__version__}",
+            calibration=without_timing(calibration.info), producer=f"mixprec {__version__}",
         )  # fmt: skip
 
     copied = publish(
         job.output_dir, force=job.force, planned=plan.tensors, max_shard_size=job.max_shard_bytes,
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
         config=lambda: _output_config(job, source.config, selection),
-        side_files=lambda tmp: _side_files(job, tmp, report), scales=scales,
+        side_files=lambda tmp: _side_files(job, tmp, report), scales=scales, into=run.output,
+        start_shard=start, on_shard=run.recorder(shards, layers),
     )  # fmt: skip
     report.weight_bytes_after = sum(t.nbytes for t in plan.tensors)
     for name, (kind, why) in selection.kept.items():
@@ -252,9 +278,20 @@ def _side_files(job: QuantizeJob, tmp: Path, report: ConversionReport) -> list[s
 
     copied = copy_side_files(job.model_dir, tmp, skip={ALGORITHM_FILE})
     if report.algorithm is not None:
-        doc = algorithm_document({"scheme": job.scheme.name, **report.algorithm}, f"mixprec {__version__}")
+        record = without_timing({"scheme": job.scheme.name, **report.algorithm})
+        doc = algorithm_document(record, f"mixprec {__version__}")
         copied.append(write_algorithm_file(tmp, doc))
     return copied
+
+
+def without_timing(record: Any) -> Any:
+    """A record without its `seconds`: times stay in the report, out of the checkpoint, so that two runs
+    of one job (an interrupted and resumed one too) write the same bytes."""
+    if isinstance(record, dict):
+        return {k: without_timing(v) for k, v in record.items() if k != "seconds"}
+    if isinstance(record, list):
+        return [without_timing(v) for v in record]
+    return record
 
 
 def _output_config(job: QuantizeJob, config: dict[str, Any], selection: Selection) -> dict[str, Any]:

@@ -29,29 +29,42 @@ from mixprec.inference.algorithms.spec import FOLDS, ROTATE, SMOOTHQUANT
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
+from mixprec.inference.producers.resume import PartialRun
 
 
 @contextmanager
 def folded(job: QuantizeJob, source: Source, report: ConversionReport,
-           selection_of: Callable[[QuantizeJob, Source], Selection]) -> Iterator[tuple[QuantizeJob, Source]]:  # fmt: skip
+           selection_of: Callable[[QuantizeJob, Source], Selection],
+           run: PartialRun | None = None) -> Iterator[tuple[QuantizeJob, Source]]:  # fmt: skip
     """(the job and source the rest of the pipeline reads): the input itself when no fold is asked,
     else the folded model's temporary directory, removed on exit; the folds' records in the report's
     `algorithm` (`folds`). selection_of(job, source): the Linears and their schemes (AWQ rounds each
-    with its own)."""
+    with its own). run: a resumable quantization's partial run, which keeps the folded model (in its
+    work directory, removed with it) and its record, and hands back what an earlier run folded."""
     folds = [n for n in job.algorithm.names if n in FOLDS]
     if not folds:
         yield job, source
         return
-    tmp = Path(tempfile.mkdtemp(prefix=f".{job.output_dir.name}.folded-", dir=job.output_dir.parent))
+    if run is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{job.output_dir.name}.folded-", dir=job.output_dir.parent))
+    else:
+        tmp = run.folded_dir
     try:
-        record = _fold_into(job, source, selection_of(job, source), folds, tmp)
+        record = run.folds_record() if run is not None else None
+        if record is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            record = _fold_into(job, source, selection_of(job, source), folds, tmp)
+            if run is not None:
+                run.save_folds(record)
         report.algorithm = {**job.algorithm.to_dict(), "folds": record}
         report.notes.append(f"folded ({', '.join(folds)}) before calibration; the folded model was written "
                             "to a temporary directory and read from there")  # fmt: skip
         new_job = dataclasses.replace(job, model_dir=tmp)
         yield new_job, Source(open_checkpoint(tmp), read_source_config(tmp), source.texts)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if run is None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fold_into(job: QuantizeJob, source: Source, selection: Selection, folds: list[str],

@@ -59,6 +59,7 @@ class QuantizeJob:
     progress: bool
     strict: bool
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
+    resume: bool = False  # continue the partial run beside the output (producers/resume.py)
 
     @classmethod
     def build(cls, model_dir: str | Path, output_dir: str | Path, scheme: Any, *, ignore: Sequence[str] | None,

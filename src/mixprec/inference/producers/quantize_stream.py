@@ -55,6 +55,9 @@ class StreamPlan:
     # Linears an algorithm (GPTQ) has already rounded: written as they are, the weight read for statistics
     prequantized: dict[str, QuantizedTensor] = field(default_factory=dict)
     scale_search: bool = False  # block scales from the scale search (--algorithm scale-search)
+    # input tensors whose outputs a resumed run already holds (producers/resume.py): not read again;
+    # a Linear's weight maps to its recorded scales-file entry, any other tensor to None
+    done: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
 
 def stream_tensors(
@@ -87,7 +90,10 @@ def stream_tensors(
             queue.fill(depth=workers + 1)  # quantize tasks in flight
             while queue.pending:
                 info, module, fut = queue.pending.popleft()
-                if fut is None:
+                if fut is _DONE:
+                    if module is not None:
+                        _record(module, plan.done[info.name], info, plan, layers, report)
+                elif fut is None:
                     _copy_through(reader, writer, info, chunk)
                 else:
                     queue.in_flight -= 1
@@ -96,9 +102,7 @@ def stream_tensors(
                         writer.write(name, tensor)
                     if payload is not None:
                         queue.out_pool.release(payload)
-                    layers[module] = entry
-                    family = plan.schemes[module].family
-                    report.add_quantized_linear(module, "Linear", info.nbytes // info.dtype.itemsize, entry, family, family)  # fmt: skip
+                    _record(module, entry, info, plan, layers, report)
                     queue.fill(depth=workers + 1)
                 report.weight_bytes_before += info.nbytes
                 advance()
@@ -108,6 +112,17 @@ def stream_tensors(
         raise
     finally:
         torch.set_num_threads(threads)
+
+
+_DONE = object()  # in place of a task: the tensor's outputs are already written (a resumed run)
+
+
+def _record(module: str, entry: dict[str, Any], info, plan: StreamPlan, layers: dict[str, dict[str, Any]],
+            report: ConversionReport) -> None:  # fmt: skip
+    """A quantized Linear's scales-file entry into `layers` and the report."""
+    layers[module] = entry
+    family = plan.schemes[module].family
+    report.add_quantized_linear(module, "Linear", info.nbytes // info.dtype.itemsize, entry, family, family)
 
 
 class _TaskQueue:
@@ -130,6 +145,9 @@ class _TaskQueue:
         p = self.plan
         for n, info in self.todo:
             module = n[: -len(".weight")] if n.endswith(".weight") else None
+            if n in p.done:
+                self.pending.append((info, module if module in p.targets else None, _DONE))
+                continue
             if module not in p.targets:
                 self.pending.append((info, None, None))
                 continue
@@ -159,7 +177,8 @@ class _TaskQueue:
                     p.input_amax.get(module), self.in_pool, self.out_pool, p.scale_search,
                 )  # fmt: skip
             self.pending.append((info, module, fut))
-            self.in_flight += len(group) if group is not None else 1
+            # the members this run writes (a resumed run may hold the first ones already)
+            self.in_flight += sum(f"{m}.weight" not in p.done for m in group) if group is not None else 1
             return True
         return False
 
@@ -170,7 +189,7 @@ class _TaskQueue:
     def cancel(self) -> None:
         """Let running tasks finish before their buffers go away."""
         for _, _, fut in self.pending:
-            if fut is not None:
+            if isinstance(fut, Future):
                 fut.cancel()
 
 
