@@ -228,7 +228,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     copied = publish(
         job.output_dir, force=job.force, planned=plan.tensors, max_shard_size=job.max_shard_bytes,
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
-        config=lambda: _output_config(job, source.config, selection),
+        config=lambda: output_config(job, source.config, selection),
         side_files=lambda tmp: _side_files(job, tmp, report), scales=scales,
     )  # fmt: skip
     report.weight_bytes_after = sum(t.nbytes for t in plan.tensors)
@@ -254,7 +254,7 @@ def _side_files(job: QuantizeJob, tmp: Path, report: ConversionReport) -> list[s
     return copied
 
 
-def _output_config(job: QuantizeJob, config: dict[str, Any], selection: Selection) -> dict[str, Any]:
+def output_config(job: QuantizeJob, config: dict[str, Any], selection: Selection) -> dict[str, Any]:
     """The input's config.json with the layout's quantization_config."""
     ignored, kv_cache = sorted(selection.skipped), job.kv_cache
     out_cfg = dict(config)

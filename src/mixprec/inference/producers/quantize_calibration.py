@@ -55,7 +55,7 @@ def calibrate_job(
     names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
     layer_by_layer = job.layer_by_layer
     if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
-        layer_by_layer = source.ckpt.total_bytes > 0.5 * _available_memory()
+        layer_by_layer = source.ckpt.total_bytes > 0.5 * available_memory()
     gptq = _gptq_pass(job, source, selection)
     if layer_by_layer or gptq is not None:
         n_blocks = int(source.config.get("num_hidden_layers") or 0)
@@ -136,7 +136,7 @@ def _calibrate_whole_model(
     return result, model, {n: result.input_amax[p] for n, p in paths.items()}
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
