@@ -27,7 +27,7 @@ from mixprec.inference.checkpoint.safetensors_io import PlannedTensor, shard_hea
 from mixprec.inference.producers.quantize_plan import plan_quantize
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB, HEAD_DIM = 8192, 28672, 80, 64, 8, 128256, 128
-BLOCKS_PER_SHARD = 3  # about 5.2 GB per shard, as the released checkpoint's 30 shards
+BLOCKS_PER_SHARD = 3  # 28 shards of about 5.2 GB (the released checkpoint has 30)
 
 
 def _header_only(path: Path, tensors: list[PlannedTensor]) -> None:
