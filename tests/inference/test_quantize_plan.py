@@ -19,6 +19,7 @@ from mixprec.inference import quantize_checkpoint
 from mixprec.inference.checkpoint import safetensors_io
 from mixprec.inference.checkpoint.safetensors_io import PlannedTensor, shard_header
 from mixprec.inference.producers import quantize_plan
+from mixprec.inference.producers.quantize_estimates import GptqProbe, gptq_flops
 from mixprec.inference.producers.quantize_plan import plan_quantize
 
 
@@ -176,3 +177,25 @@ def test_disk_that_will_not_fit(llama_dir, tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     assert "WILL NOT FIT" in captured.out  # the plan is printed, then the refusal
     assert "will not fit" in captured.err and not (tmp_path / "out").exists()
+
+
+def test_streaming_memory_terms(header_only, tmp_path):
+    """NVFP4 reads a fused GEMM's shards together (q/k/v: 3): the read buffers are min(workers x 3,
+    workers + 3) of the largest weight, the payload buffers workers + 3 of its out x in bytes."""
+    plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", probe=False)
+    workers = max(1, min(4, os.cpu_count() or 1))
+    largest = 5632 * 2048
+    terms = plan.memory.terms
+    reads = min(workers * 3, workers + 3)
+    assert terms[f"read buffers: {reads} x the largest Linear weight"] == reads * largest * 2
+    assert terms[f"payload buffers: {workers + 3} x the largest payload"] == (workers + 3) * largest
+    assert terms["copy buffer"] == 16 << 20 and plan.time is None
+
+
+def test_gptq_probe_scaling_rule():
+    """The scaled-down probe reproduces itself at its own size, and the column loop grows as in x out."""
+    rate = 1e10
+    probe = GptqProbe(out_features=1024, inputs=512, seconds=gptq_flops(1024, 512) / rate + 0.5, rate=rate)
+    assert probe.seconds_for(1024, 512) == pytest.approx(probe.seconds)
+    loop = probe.seconds_for(2048, 4096) - gptq_flops(2048, 4096) / rate
+    assert loop == pytest.approx(0.5 * (4096 / 512) * (2048 / 1024))
