@@ -199,3 +199,12 @@ def test_gptq_probe_scaling_rule():
     assert probe.seconds_for(1024, 512) == pytest.approx(probe.seconds)
     loop = probe.seconds_for(2048, 4096) - gptq_flops(2048, 4096) / rate
     assert loop == pytest.approx(0.5 * (4096 / 512) * (2048 / 1024))
+
+
+def test_plan_of_a_calibrated_run_with_kv_scales(llama_dir, calib_file, tmp_path):
+    """fp8-static with --kv-cache fp8: the k_scale / v_scale tensors are planned where the run writes them."""
+    kw = dict(calib_data=calib_file, calib_samples=4, calib_seq_len=16, kv_cache="fp8")
+    plan = plan_quantize(llama_dir, tmp_path / "out", "fp8-static", probe=False, **kw)
+    assert plan.path in ("whole-model", "layer-by-layer") and plan.calibration["tokens_at_most"] == 64
+    quantize_checkpoint(llama_dir, tmp_path / "out", "fp8-static", progress=False, **kw)
+    assert plan.shard_bytes == [(tmp_path / "out" / "model.safetensors").stat().st_size]
