@@ -7,6 +7,7 @@ import json
 import statistics
 
 from mixprec.commands.algorithm_args import add_algorithm_arguments, algorithm_spec
+from mixprec.commands.quantize_dry_run import run_dry_run
 from mixprec.errors import MixprecError
 from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the partial run a killed quantize left in .<output>.partial/ beside --output (refused "
         "when its inputs or options differ; without one, start afresh); with --force, the result replaces an "
         "existing --output",
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="print the plan (layers and schemes, output size, peak memory and time estimates, free disk) "
+        "from config.json and the safetensors headers; write nothing",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -231,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
 
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")
+    if args.dry_run:
+        return run_dry_run(args)
     if args.scheme.strip().lower() == "auto":
         if args.resume:
             raise MixprecError("--resume continues one scheme's quantization; --scheme auto does not resume")

@@ -308,6 +308,22 @@ def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list
     return shards
 
 
+def shard_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
+    """The JSON header of a planned shard, padded as written (the file is 8 length bytes, this, then
+    the tensors' bytes): what PlannedShardWriter writes, and what a quantize plan sizes."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * ((-len(raw)) % 8)  # data aligned to 8 bytes, as safetensors writes it
+
+
 def shard_names(n: int) -> list[str]:
     if n == 1:
         return ["model.safetensors"]
@@ -348,17 +364,7 @@ class PlannedShardWriter:
     def _open_shard(self, i: int) -> None:
         if self._file is not None:
             self._finish_shard()
-        header: dict[str, object] = {"__metadata__": self.metadata}
-        offset = 0
-        for t in self.shards[i]:
-            header[t.name] = {
-                "dtype": _NAMES[t.dtype],
-                "shape": list(t.shape),
-                "data_offsets": [offset, offset + t.nbytes],
-            }
-            offset += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * ((-len(raw)) % 8)  # data aligned to 8 bytes, as safetensors writes it
+        raw = shard_header(self.shards[i], self.metadata)
         self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _finish_shard/abort
         self._shard = i
         self._file.write(struct.pack("<Q", len(raw)))
@@ -419,11 +425,18 @@ class PlannedShardWriter:
             self._file = None
 
 
-def write_index(out_dir: Path, weight_map: dict[str, str], total_size: int) -> None:
+def index_text(weight_map: dict[str, str], total_size: int) -> str | None:
+    """model.safetensors.index.json's text (None for a single shard, which has no index)."""
     if len(set(weight_map.values())) <= 1:
-        return
+        return None
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return json.dumps(index, indent=2) + "\n"
+
+
+def write_index(out_dir: Path, weight_map: dict[str, str], total_size: int) -> None:
+    text = index_text(weight_map, total_size)
+    if text is not None:
+        (out_dir / INDEX_NAME).write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -451,11 +464,19 @@ def copy_side_files(model_dir: Path, out_dir: Path, skip: set[str]) -> list[str]
     """Copy tokenizer, generation config and other small non-weight files (not config.json, shards,
     index, pickles, which the writer produces or refuses)."""
     copied = []
+    for p in side_files(model_dir, skip):
+        shutil.copy2(p, out_dir / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def side_files(model_dir: Path, skip: set[str]) -> list[Path]:
+    """The files copy_side_files copies, in order."""
+    out = []
     for p in sorted(model_dir.iterdir()):
         if not p.is_file() or p.name in skip or p.suffix == ".safetensors" or p.suffix in PICKLE_SUFFIXES:
             continue
         if p.name in (INDEX_NAME, "config.json", "model.fp8_scales.json", "fp8_scales.json"):
             continue
-        shutil.copy2(p, out_dir / p.name)
-        copied.append(p.name)
-    return copied
+        out.append(p)
+    return out

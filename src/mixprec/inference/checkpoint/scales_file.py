@@ -119,7 +119,12 @@ def write_scales_file(path: Path, doc: dict[str, Any]) -> None:
     """The document with one line per layer: readable, and fast to write. (json.dumps with indent= runs
     the pure-Python encoder: 0.6 s for a 2 GB Llama's 387k per-channel scales, on the critical path;
     the C encoder, used for each layer's entry, takes a tenth of that.)"""
-    write_text_atomic(path, _dumps_one_layer_per_line(doc) + "\n")
+    write_text_atomic(path, scales_text(doc))
+
+
+def scales_text(doc: dict[str, Any]) -> str:
+    """The scales file's text as write_scales_file writes it."""
+    return _dumps_one_layer_per_line(doc) + "\n"
 
 
 def _dumps_one_layer_per_line(doc: dict[str, Any]) -> str:

@@ -256,7 +256,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     copied = publish(
         job.output_dir, force=job.force, planned=plan.tensors, max_shard_size=job.max_shard_bytes,
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
-        config=lambda: _output_config(job, source.config, selection),
+        config=lambda: output_config(job, source.config, selection),
         side_files=lambda tmp: _side_files(job, tmp, report), scales=scales, into=run.output,
         start_shard=start, on_shard=run.recorder(shards, layers),
     )  # fmt: skip
@@ -294,7 +294,7 @@ def without_timing(record: Any) -> Any:
     return record
 
 
-def _output_config(job: QuantizeJob, config: dict[str, Any], selection: Selection) -> dict[str, Any]:
+def output_config(job: QuantizeJob, config: dict[str, Any], selection: Selection) -> dict[str, Any]:
     """The input's config.json with the layout's quantization_config."""
     ignored, kv_cache = sorted(selection.skipped), job.kv_cache
     out_cfg = dict(config)

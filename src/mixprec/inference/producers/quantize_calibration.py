@@ -61,7 +61,7 @@ def calibrate_job(
     names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
     layer_by_layer = job.layer_by_layer
     if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
-        layer_by_layer = source.ckpt.total_bytes > 0.5 * _available_memory()
+        layer_by_layer = source.ckpt.total_bytes > 0.5 * available_memory()
     gptq = _gptq_pass(job, source, selection)
     try:
         return _calibrate(job, source, selection, report, batches, names, layer_by_layer, gptq)
@@ -162,7 +162,7 @@ def _calibrate_whole_model(
     return result, model, {n: result.input_amax[p] for n, p in paths.items()}
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -39,6 +39,11 @@ from mixprec.scaling import QuantizedTensor, compute_scale
 COPY_CHUNK_BYTES = 16 << 20
 
 
+def stream_workers() -> int:
+    """Threads that read and quantize Linear weights (each with one intra-op thread)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 @dataclass(frozen=True)
 class StreamPlan:
     """What streaming needs to know: the Linears quantized ({name: (out, in)}) and their schemes, the
@@ -70,7 +75,7 @@ def stream_tensors(
 ) -> None:
     """Every input tensor to the writer, in plan order; each quantized Linear's scales-file entry into
     `layers` and the report."""
-    workers = max(1, min(4, os.cpu_count() or 1))
+    workers = stream_workers()
     weight_bytes = max((ckpt.tensors[f"{m}.weight"].nbytes for m in plan.targets), default=0)
     payload_elems = max((o * i for o, i in plan.targets.values()), default=0)
     chunk = torch.empty(COPY_CHUNK_BYTES, dtype=torch.uint8)
@@ -295,4 +300,4 @@ def _fp8_outputs(q: QuantizedTensor, stats: QuantizationStats, module: str, shap
     return out, entry
 
 
-__all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "stream_tensors"]
+__all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "stream_tensors", "stream_workers"]
