@@ -95,7 +95,7 @@ def _kill_before_publish(monkeypatch) -> None:
     def config(*args):
         raise SimulatedKill("every shard written, before config.json")
 
-    monkeypatch.setattr(quantize_module, "_output_config", config)
+    monkeypatch.setattr(quantize_module, "output_config", config)
 
 
 def _kill_after_calibration(monkeypatch) -> None:

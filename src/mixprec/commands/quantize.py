@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the partial run a killed quantize left in .<output>.partial/ beside --output (refused "
         "when its inputs or options differ; without one, start afresh); with --force, the result replaces an "
         "existing --output",
+    )  # fmt: skip
     parser.add_argument(
         "--dry-run", action="store_true",
         help="print the plan (layers and schemes, output size, peak memory and time estimates, free disk) "

@@ -118,15 +118,19 @@ def quantize_checkpoint(
         partial_run(job, source) as run,
         folded(job, source, report, _scratch_selection, run) as (job, source),
     ):
-        selection = select(job, source, report)
-        calibration = _calibrate(job, source, selection, report, run)
-        try:
-            if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
-                report.algorithm = job.algorithm.to_dict()
-            plan = plan_tensors(job, source.ckpt, selection, calibration)
-            return write(job, source, selection, calibration, plan, report, run)
-        finally:
-            calibration.close()  # GPTQ's results spilled to disk between the walk and the writer
+        return _select_calibrate_write(job, source, report, run)
+
+
+def _select_calibrate_write(job: QuantizeJob, source: Source, report: ConversionReport, run: PartialRun) -> ConversionReport:  # fmt: skip
+    selection = select(job, source, report)
+    calibration = _calibrate(job, source, selection, report, run)
+    try:
+        if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
+            report.algorithm = job.algorithm.to_dict()
+        plan = plan_tensors(job, source.ckpt, selection, calibration)
+        return write(job, source, selection, calibration, plan, report, run)
+    finally:
+        calibration.close()  # GPTQ's results spilled to disk between the walk and the writer
 
 
 def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: ConversionReport,
