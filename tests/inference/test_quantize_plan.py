@@ -114,18 +114,20 @@ def test_header_only_plans_without_reading_bodies(header_only, tmp_path, monkeyp
 
 
 def test_layer_by_layer_memory_terms(header_only, tmp_path):
-    """GPTQ's block-by-block terms from the shapes: 3 copies of the hidden states (inputs, outputs, the
-    re-run), the embeddings and head whole, one block, one block's Hessians."""
+    """GPTQ's block-by-block terms from the shapes: one copy of the hidden states, the embedding rows of
+    the calibration tokens (not the embeddings and head whole), one block, its Hessians, its results."""
     plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", algorithm="gptq", calib_data="unused.txt",
                          calib_samples=8, calib_seq_len=64, probe=False)  # fmt: skip
     assert plan.path == "layer-by-layer" and plan.time is None
     terms = plan.memory.terms if "calibration" in plan.memory.formula else None
     assert terms is not None, plan.memory.formula
     hidden, inter = 2048, 5632
-    assert terms["calibration hidden states: 3 x tokens x hidden x dtype"] == 3 * 8 * 64 * hidden * 2
+    assert terms["calibration hidden states: tokens x hidden x dtype"] == 8 * 64 * hidden * 2
     assert (
-        terms["tensors outside the blocks (embeddings, head: loaded whole)"] == (2 * 32000 + 1) * hidden * 2
+        terms["embedding rows of the calibration tokens (at most tokens x hidden x dtype)"]
+        == 8 * 64 * hidden * 2
     )
+    assert not any("head" in term for term in terms)
     block = (2 * hidden * hidden + 2 * 512 * hidden + 3 * inter * hidden + 2 * hidden) * 2
     assert terms["the largest block's weights"] == block
     # input groups of a block: q/k/v (hidden), o (hidden), gate/up (hidden), down (inter)

@@ -8,12 +8,13 @@ what the code holds today (docs/quantize.md, "Plan before you run"):
   the read buffers (workers x the largest fused group x the largest Linear weight) + the payload
   buffers ((workers + largest group) x the largest payload) + each worker's quantize temporaries
   (measured by the probe) + the copy buffer.
-- layer by layer (calibration with --layer-by-layer, and always with GPTQ): the baseline + every tensor
-  outside the blocks (embeddings, head, final norm: loaded whole) + the largest block's weights + the
-  calibration hidden states (samples x seq_len x hidden in the model dtype; 2 copies, 3 with GPTQ's
-  sequential re-run) + one batch's forward temporaries + with GPTQ: the block's Hessians (in^2 fp32 per
-  input group), the solve's temporaries for the largest Linear, and every Linear GPTQ rounded so far
-  (kept until the writer runs: the whole quantized model by the end).
+- layer by layer (calibration with --layer-by-layer, and always with GPTQ): the baseline + the embedding
+  rows the calibration tokens use (at most tokens x hidden; the head and final norm are never read) + the
+  largest block's weights + the calibration hidden states (samples x seq_len x hidden in the model dtype,
+  one copy: each block's outputs replace its inputs batch by batch) + one batch's forward temporaries +
+  with GPTQ: the block's Hessians (in^2 fp32 per input group), the solve's temporaries for the largest
+  Linear, and one block's rounded Linears (each block's results go to disk at its end and the writer reads
+  them back one by one: calibration/layerwise.py, checkpoint/spill.py).
 - whole model (calibration without --layer-by-layer): the baseline + the whole model + one batch's
   forward temporaries.
 """
@@ -230,15 +231,13 @@ def layerwise_memory(
     s: Shapes, baseline: int, tokens: int, seq_len: int, gptq: GptqMemory | None
 ) -> dict[str, float]:
     """The block-by-block calibration stage's terms (calibration/layerwise.py, algorithms/gptq_pass.py)."""
-    copies = 3 if gptq is not None else 2  # inputs and outputs of a block; GPTQ re-runs it once rounded
     terms = {
         "process baseline": baseline,
-        "tensors outside the blocks (embeddings, head: loaded whole)": s.outside_bytes,
+        "embedding rows of the calibration tokens (at most tokens x hidden x dtype)": min(
+            tokens * s.hidden * s.act_bytes, s.outside_bytes
+        ),
         "the largest block's weights": s.block_bytes,
-        f"calibration hidden states: {copies} x tokens x hidden x dtype": copies
-        * tokens
-        * s.hidden
-        * s.act_bytes,
+        "calibration hidden states: tokens x hidden x dtype": tokens * s.hidden * s.act_bytes,
         "fp32 copy of the largest weight (GEMMs in fp32)": s.largest_weight_bytes // max(1, s.act_bytes) * 4,
         **forward_temporaries(s, seq_len),
     }
@@ -246,7 +245,8 @@ def layerwise_memory(
         terms |= {
             "GPTQ: the Hessians of one block (in^2 fp32 per input group)": gptq.block_hessian_bytes,
             "GPTQ: solve temporaries of the largest Linear": gptq.solve_bytes,
-            "GPTQ: every rounded Linear, held until written": gptq.results_bytes,
+            "GPTQ: one block's rounded Linears (spilled to disk at the block's end)": gptq.results_bytes
+            // max(1, s.layers),
         }
     return terms
 

@@ -281,8 +281,6 @@ def _estimates(job: QuantizeJob, ckpt: Checkpoint, s: est.Shapes, selection: Sel
             stages["calibration, block by block"] = est.layerwise_memory(
                 s, baseline, tokens, job.calib_seq_len, gptq
             )
-            if gptq is not None:  # the rounded Linears stay in memory while the writer streams
-                stream["GPTQ: every rounded Linear, held until written"] = gptq.results_bytes
         else:
             stages["calibration, whole model"] = est.whole_model_memory(s, baseline, job.calib_seq_len)
     notes = [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in stages.items()]
@@ -312,8 +310,8 @@ def _gptq_memory(s: est.Shapes, selection: Selection) -> est.GptqMemory:
 
 
 def _disk(job: QuantizeJob, plan: QuantizePlan) -> dict[str, Any]:
-    """Free space at the output's nearest existing ancestor; what the run writes there (the output,
-    and the folded model's temporary copy when a fold runs)."""
+    """Free space at the output's nearest existing ancestor; what the run writes there (the output, the
+    folded model's temporary copy when a fold runs, GPTQ's rounded weights spilled beside the output)."""
     at = job.output_dir.absolute().parent
     while not at.exists():
         at = at.parent
@@ -321,6 +319,8 @@ def _disk(job: QuantizeJob, plan: QuantizePlan) -> dict[str, Any]:
     needed = plan.output_bytes
     if any(n in FOLDS for n in job.algorithm.names):
         needed += plan.input_bytes
+    if job.algorithm.uses_gptq:
+        needed += plan.output_bytes  # the spill: the rounded Linears, at most the output's size
     return {"at": str(at), "free_bytes": free, "needed_bytes": needed, "fits": needed <= free}
 
 
