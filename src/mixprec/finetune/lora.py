@@ -32,6 +32,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
+from mixprec.inference.checkpoint.layout import INPUT_GLOBAL_SCALE, WEIGHT_GLOBAL_SCALE
 from mixprec.inference.runtime.linear import BlockQuantizedLinear, QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import quantize_weight
 
@@ -39,7 +40,12 @@ _PEFT_MISSING = "LoRA over quantized models needs peft: pip install 'mixprec[fin
 
 
 def _require_peft() -> None:
-    if importlib.util.find_spec("peft") is None:
+    """Before any work: peft is an optional package (the `finetune` extra)."""
+    try:
+        found = importlib.util.find_spec("peft") is not None
+    except ValueError:  # blocked in sys.modules (None there)
+        found = False
+    if not found:
         raise MixprecError(_PEFT_MISSING)
 
 
@@ -54,12 +60,20 @@ def _base_payload(layer: QuantizedLinear) -> dict[str, torch.Tensor | None]:
     return {k: layer._buffers.get(k) for k in layer._QUANTIZED_BUFFERS}
 
 
-def requantize_(layer: QuantizedLinear, weight: torch.Tensor, *, global_scale: torch.Tensor | None = None) -> None:
+def requantize_(
+    layer: QuantizedLinear, weight: torch.Tensor, *, global_scale: torch.Tensor | None = None
+) -> None:
     """Round `weight` (fp32, the layer's shape) with the layer's scheme into the layer's buffers, in place:
     the static input scale (fp8-static) or input global scale (nvfp4) is kept; NVFP4 weights take
     `global_scale` (None: their own)."""
-    q, _ = quantize_weight(weight.detach().float(), layer.scheme, name="merged weight", global_scale=global_scale)
-    input_scale = getattr(layer, "input_global_scale", None) if isinstance(layer, BlockQuantizedLinear) else layer.input_scale
+    q, _ = quantize_weight(
+        weight.detach().float(), layer.scheme, name="merged weight", global_scale=global_scale
+    )
+    input_scale = (
+        getattr(layer, INPUT_GLOBAL_SCALE, None)
+        if isinstance(layer, BlockQuantizedLinear)
+        else layer.input_scale
+    )
     fresh = quantized_linear(q, layer.bias, layer.scheme, input_scale=input_scale, out_dtype=layer.out_dtype)
     device = next(t.device for t in _base_payload(layer).values() if t is not None)
     for k in layer._QUANTIZED_BUFFERS:
@@ -71,6 +85,9 @@ def requantize_(layer: QuantizedLinear, weight: torch.Tensor, *, global_scale: t
 
 class _QuantizedLoraMixin:
     """What peft's lora.Linear needs changed for a quantized base (mixed into it in `lora_layer_class`)."""
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features  # peft's guess works too, with a warning
 
     def _get_base_layer_device_and_dtype(self, base_layer):
         # peft casts the adapters to the base weight's dtype: float8 here; the compute dtype is meant
@@ -87,13 +104,15 @@ class _QuantizedLoraMixin:
             return
         base = self.get_base_layer()
         if any(self.lora_variant.get(a) is not None or self.lora_bias.get(a) for a in names):
-            raise MixprecError("merging into a quantized layer takes plain LoRA adapters (no DoRA/variants, no lora_bias)")
+            raise MixprecError(
+                "merging into a quantized layer takes plain LoRA adapters (no DoRA/variants, no lora_bias)"
+            )
         merged = self.merged_weight(names)
         if safe_merge and not torch.isfinite(merged).all():
             raise MixprecError(f"NaNs in the merged weight of adapters {names}: the adapter seems broken")
         if not self.merged_adapters:
             self._unmerged_payload = (_base_payload(base), base.weight_granularity)
-        requantize_(base, merged, global_scale=getattr(base, "weight_global_scale", None))
+        requantize_(base, merged, global_scale=getattr(base, WEIGHT_GLOBAL_SCALE, None))
         self.merged_adapters.extend(names)
 
     def merged_weight(self, adapter_names: list[str]) -> torch.Tensor:
@@ -128,7 +147,10 @@ def lora_layer_class() -> type:
         cls = type(
             "QuantizedLoraLinear",
             (_QuantizedLoraMixin, base),
-            {"__doc__": "peft's lora.Linear over a mixprec quantized Linear (any scheme).", "__module__": __name__},
+            {
+                "__doc__": "peft's lora.Linear over a mixprec quantized Linear (any scheme).",
+                "__module__": __name__,
+            },
         )
         _LAYER_CLASS.append(cls)
     return _LAYER_CLASS[0]
@@ -151,7 +173,9 @@ def lora_config(**kwargs: Any) -> Any:
 def _linear_names(model: nn.Module) -> list[str]:
     """Linears peft could wrap (plain or quantized), the output head left out as peft's all-linear does."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear)) and m is not head]
+    return [
+        n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear)) and m is not head
+    ]
 
 
 def _resolve_targets(model: nn.Module, config: Any) -> None:
@@ -169,7 +193,9 @@ def _resolve_targets(model: nn.Module, config: Any) -> None:
     if not any(check_target_module_exists(config, n) for n in names):
         shown = ", ".join(names[:5]) + (f" ... ({len(names)} Linears)" if len(names) > 5 else "")
         pattern = targets if isinstance(targets, str) else sorted(targets)
-        raise MixprecError(f"LoRA target_modules {pattern} match no Linear of the model; its Linears: {shown or 'none'}")
+        raise MixprecError(
+            f"LoRA target_modules {pattern} match no Linear of the model; its Linears: {shown or 'none'}"
+        )
 
 
 def add_lora(model: nn.Module, config: Any = None, **kwargs: Any) -> Any:
@@ -197,7 +223,9 @@ def load_lora(model: nn.Module, adapter_dir: Any, **kwargs: Any) -> Any:
 
     config = PeftConfig.from_pretrained(str(adapter_dir))
     if getattr(config, "peft_type", None) is None or str(config.peft_type.value) != "LORA":
-        raise MixprecError(f"{adapter_dir}: not a LoRA adapter (peft_type {getattr(config, 'peft_type', None)})")
+        raise MixprecError(
+            f"{adapter_dir}: not a LoRA adapter (peft_type {getattr(config, 'peft_type', None)})"
+        )
     return PeftModel.from_pretrained(model, str(adapter_dir), config=register(config), **kwargs)
 
 
@@ -227,11 +255,15 @@ def _requantize_merged(root: nn.Module, merged: dict[str, torch.Tensor]) -> None
     merged amax (unmerged shards: their dequantized weight's), and an unmerged shard whose group scale
     changed is re-rounded with it."""
     # named as in the model without adapters: fused shards are found by their names (q/k/v_proj...)
-    layers = {n.removesuffix(".base_layer"): m for n, m in root.named_modules() if isinstance(m, QuantizedLinear)}
-    nvfp4 = {n for n, m in layers.items() if getattr(m, "weight_global_scale", None) is not None}
+    layers = {
+        n.removesuffix(".base_layer"): m for n, m in root.named_modules() if isinstance(m, QuantizedLinear)
+    }
+    nvfp4 = {n for n, m in layers.items() if getattr(m, WEIGHT_GLOBAL_SCALE, None) is not None}
     globals_ = {}
     if nvfp4:
-        weights = {n: merged[n] if n in merged else layers[n].dequantized_weight(torch.float32) for n in nvfp4}
+        weights = {
+            n: merged[n] if n in merged else layers[n].dequantized_weight(torch.float32) for n in nvfp4
+        }
         amax = {n: float(w.abs().max()) for n, w in weights.items()}
         globals_ = fused_global_scales(amax, next(layers[n] for n in nvfp4).out_dtype)
     for name, layer in layers.items():
@@ -240,4 +272,3 @@ def _requantize_merged(root: nn.Module, merged: dict[str, torch.Tensor]) -> None
             requantize_(layer, merged[name], global_scale=g)
         elif g is not None and not torch.equal(g.float().reshape(1), layer.weight_global_scale.reshape(1)):
             requantize_(layer, layer.dequantized_weight(torch.float32), global_scale=g)
-
