@@ -129,9 +129,36 @@ def test_merge_requantizes_within_the_schemes_rounding_error(scheme):
         assert torch.equal(peft_model(IDS).logits, unmerged)  # the input is left as it was
     assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in merged_model.modules())
     assert sum(isinstance(m, QuantizedLinear) for m in merged_model.modules()) == 14
+    if scheme == "nvfp4a16":  # q and v merged, k not: the fused q/k/v still share one global scale
+        attn = merged_model.model.layers[1].self_attn
+        assert len({float(getattr(attn, p).weight_global_scale) for p in ("q_proj", "k_proj", "v_proj")}) == 1
     merge_err = rel_err(merged, unmerged)
     print(f"{scheme}: merge relative logits error {merge_err:.2e} (scheme vs original {scheme_err:.2e})")
     assert 0 < merge_err <= 1.5 * scheme_err
+
+
+def test_merge_into_another_scheme_rounds_every_layer_into_it():
+    original = tiny_llama()
+    quantized = copy.deepcopy(original)
+    apply_scheme_(quantized, "fp8-dynamic")
+    peft_model = add_lora(quantized, **LORA)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.01)
+        unmerged = peft_model(IDS).logits
+        nvfp4 = copy.deepcopy(original)
+        apply_scheme_(nvfp4, "nvfp4a16")
+        scheme_err = rel_err(nvfp4(IDS).logits, original(IDS).logits)
+        merged = merge_lora(peft_model, scheme="nvfp4a16")
+        merge_err = rel_err(merged(IDS).logits, unmerged)
+    layers = [m for m in merged.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 14 and {m.scheme.name for m in layers} == {"nvfp4a16"}
+    attn = merged.model.layers[0].self_attn  # q/k/v share one global scale (fused in serving)
+    assert len({float(getattr(attn, p).weight_global_scale) for p in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert 0 < merge_err <= 1.5 * scheme_err
+    with pytest.raises(MixprecError, match="calibration"):
+        merge_lora(peft_model, scheme="fp8-static")
 
 
 def test_layer_merge_and_unmerge_restore_the_exact_base():

@@ -34,7 +34,7 @@ from mixprec.errors import MixprecError
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
 from mixprec.inference.checkpoint.layout import INPUT_GLOBAL_SCALE, WEIGHT_GLOBAL_SCALE
 from mixprec.inference.runtime.linear import BlockQuantizedLinear, QuantizedLinear, quantized_linear
-from mixprec.inference.schemes import quantize_weight
+from mixprec.inference.schemes import InferenceScheme, quantize_weight
 
 _PEFT_MISSING = "LoRA over quantized models needs peft: pip install 'mixprec[finetune]'"
 
@@ -229,43 +229,69 @@ def load_lora(model: nn.Module, adapter_dir: Any, **kwargs: Any) -> Any:
     return PeftModel.from_pretrained(model, str(adapter_dir), config=register(config), **kwargs)
 
 
-def merge_lora(peft_model: Any) -> nn.Module:
+def merge_lora(peft_model: Any, *, scheme: str | None = None) -> nn.Module:
     """A copy of the base model with the active adapters merged: every adapted quantized Linear holds its
     merged weight rounded with its scheme (RTN, lossy by design), the shards of a fused GEMM one NVFP4
     global scale (others of a group re-rounded with it only where it changed); plain Linears merge exactly
-    as peft does. `peft_model` is left as it was."""
+    as peft does. `scheme` (one without calibrated input scales): every quantized Linear rounded into that
+    scheme instead, the adapted ones from their merged weight. `peft_model` is left as it was."""
+    target = None if scheme is None else InferenceScheme.from_name(scheme)
+    if target is not None and target.needs_calibration:
+        raise MixprecError(
+            f"merge_lora(scheme={target.name!r}): its static input scales need calibration; merge with the "
+            "layers' own schemes, or into a scheme with dynamic or no input quantization"
+        )
     model = copy.deepcopy(peft_model)
     cls = lora_layer_class()
-    adapted = {n: m for n, m in model.base_model.model.named_modules() if isinstance(m, cls)}
+    root = model.base_model.model
+    adapted = {n: m for n, m in root.named_modules() if isinstance(m, cls)}
     merged = {}
     for name, m in adapted.items():
         if m.merged:
             m.unmerge()
         merged[name] = m.merged_weight([a for a in m.active_adapters if a in m.lora_A])
-    root = model.base_model.model
-    _requantize_merged(root, merged)
-    for name, m in adapted.items():  # the base holds the merge now: it takes the wrapper's place
         parent, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent), child, m.get_base_layer())
+        setattr(root.get_submodule(parent), child, m.get_base_layer())  # the base takes the wrapper's place
+    if target is None:
+        _requantize_merged(root, merged)
+    else:
+        _round_into(root, merged, target)
     return model.merge_and_unload()  # the plain Linears' adapters, merged exactly as peft does
+
+
+def _nvfp4_global_scales(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One NVFP4 weight global scale per fused GEMM (q/k/v, gate/up), from the weights' amax."""
+    return fused_global_scales({n: float(w.abs().max()) for n, w in weights.items()}, dtype)
+
+
+def _round_into(root: nn.Module, merged: dict[str, torch.Tensor], scheme: InferenceScheme) -> None:
+    """Replace every quantized Linear by one of `scheme`, rounded from its merged (or dequantized) weight."""
+    layers = {n: m for n, m in root.named_modules() if isinstance(m, QuantizedLinear)}
+    weights = {
+        n: merged[n] if n in merged else m.dequantized_weight(torch.float32) for n, m in layers.items()
+    }
+    globals_ = {}
+    if layers and scheme.weight_granularity.scale_format == "e4m3":  # NVFP4
+        globals_ = _nvfp4_global_scales(weights, next(iter(layers.values())).out_dtype)
+    for name, layer in layers.items():
+        q, _ = quantize_weight(weights[name], scheme, name=f"{name}.weight", global_scale=globals_.get(name))
+        fresh = quantized_linear(q, layer.bias, scheme, out_dtype=layer.out_dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent), child, fresh.to(q.data.device))
 
 
 def _requantize_merged(root: nn.Module, merged: dict[str, torch.Tensor]) -> None:
     """Round the merged weights into their layers; NVFP4 layers get fused-group global scales from the
     merged amax (unmerged shards: their dequantized weight's), and an unmerged shard whose group scale
     changed is re-rounded with it."""
-    # named as in the model without adapters: fused shards are found by their names (q/k/v_proj...)
-    layers = {
-        n.removesuffix(".base_layer"): m for n, m in root.named_modules() if isinstance(m, QuantizedLinear)
-    }
+    layers = {n: m for n, m in root.named_modules() if isinstance(m, QuantizedLinear)}
     nvfp4 = {n for n, m in layers.items() if getattr(m, WEIGHT_GLOBAL_SCALE, None) is not None}
     globals_ = {}
     if nvfp4:
         weights = {
             n: merged[n] if n in merged else layers[n].dequantized_weight(torch.float32) for n in nvfp4
         }
-        amax = {n: float(w.abs().max()) for n, w in weights.items()}
-        globals_ = fused_global_scales(amax, next(layers[n] for n in nvfp4).out_dtype)
+        globals_ = _nvfp4_global_scales(weights, next(layers[n] for n in nvfp4).out_dtype)
     for name, layer in layers.items():
         g = globals_.get(name)
         if name in merged:
