@@ -200,7 +200,8 @@ def _resolve_targets(model: nn.Module, config: Any) -> None:
 
 def add_lora(model: nn.Module, config: Any = None, **kwargs: Any) -> Any:
     """A PeftModel with new LoRA adapters over `model` (quantized or not): `config` a LoraConfig, or
-    LoraConfig keyword arguments. The config is copied (the caller's is left as it was)."""
+    LoraConfig keyword arguments. Like peft's get_peft_model, it wraps `model`'s Linears in place (copying a
+    model to adapt would double its memory); the config is copied (the caller's is left as it was)."""
     _require_peft()
     from peft import LoraConfig, get_peft_model
 
