@@ -37,6 +37,7 @@ WORKFLOW_PAGES = {
     "fp4.md",
     "auto.md",
     "algorithms.md",
+    "finetune.md",
 }
 # pages whose examples take more than a few seconds (training steps, calibration, exports, torchrun);
 # `pytest -q` runs them too, `-m "not slow"` leaves them out

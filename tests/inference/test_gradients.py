@@ -4,11 +4,9 @@ with a straight-through estimator; the forward stays bit-identical to inference.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from inference_helpers import tiny_llama
+from inference_helpers import ReferenceLinear, reference_of, tiny_llama
 from torch import nn
 
 from mixprec.inference.runtime.gradients import clip_mask
@@ -16,58 +14,6 @@ from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
 from mixprec.quantization import quantize
-
-# Written out, not taken from mixprec: max + half the spacing of the top binade (E4M3 448 + 16, E2M1 6 + 1).
-OVERFLOW = {"e4m3": 464.0, "e2m1": 7.0}
-
-
-class ReferenceLinear(nn.Module):
-    """F.linear(ste(fake_quant(x)), W) in fp32 with W the layer's dequantized weight: the obvious model."""
-
-    def __init__(self, layer: QuantizedLinear):
-        super().__init__()
-        self.register_buffer("weight", layer.dequantized_weight(torch.float32))
-        self.bias = None if layer.bias is None else layer.bias.detach().float()
-        self.layer = layer  # only its input quantizer's settings are read
-        self.out_dtype = layer.out_dtype
-
-    def fake_quant(self, x2: torch.Tensor) -> torch.Tensor:
-        layer = self.layer
-        if layer.scheme.weights_only:
-            return x2.float()
-        fmt = layer.scheme.input_format
-        xq = quantize(x2.detach(), fmt, layer.input_granularity, scale=layer.input_scale,
-                      global_scale=getattr(layer, "input_global_scale", None))  # fmt: skip
-        scale = xq.effective_scale()
-        br, bc = xq.granularity.block_shape(*x2.shape)
-        scale = scale.repeat_interleave(br, 0)[: x2.shape[0]] if scale.shape[0] > 1 else scale
-        scale = scale.repeat_interleave(bc, 1)[:, : x2.shape[1]] if scale.shape[1] > 1 else scale
-        kept = (x2.detach().float().abs() / scale) <= OVERFLOW[fmt]
-        passthrough = x2.float() * kept  # the gradient flows where the quantizer did not saturate
-        return passthrough + (xq.dequantize() - passthrough).detach()
-
-    def obvious(self, x2: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(self.fake_quant(x2), self.weight, self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The served layer's values, the obvious model's gradient: GEMM-order differences in the values
-        would flip later layers' input roundings and leave nothing comparable (a layer's own values are
-        compared with the obvious model in test_forward_matches_the_obvious_model)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        obvious = self.obvious(x2)
-        with torch.no_grad():
-            served, _ = self.layer.forward_2d(x2)
-        out = obvious + (served.float() - obvious).detach()
-        return out.to(self.out_dtype).reshape(*x.shape[:-1], -1)
-
-
-def _reference_of(model: nn.Module) -> nn.Module:
-    ref = copy.deepcopy(model)
-    for name, m in list(ref.named_modules()):
-        if isinstance(m, QuantizedLinear):
-            parent, _, child = name.rpartition(".")
-            setattr(ref.get_submodule(parent), child, ReferenceLinear(m))
-    return ref
 
 
 def _grad_at_layer0(
@@ -100,7 +46,7 @@ def test_input_gradient_equals_the_straight_through_reference(scheme):
     ids = torch.randint(0, 320, (2, 24))
     calib = _calib(torch.randint(0, 320, (4, 24))) if SCHEMES[scheme].needs_calibration else None
     apply_scheme_(model, scheme, calib_data=calib)
-    ref = _reference_of(model)
+    ref = reference_of(model)
     weights = torch.randn(2, 24, 320)
     logits, grad = _grad_at_layer0(model, ids, weights)
     ref_logits, ref_grad = _grad_at_layer0(ref, ids, weights)

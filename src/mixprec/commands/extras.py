@@ -20,6 +20,7 @@ PROVIDERS = {
     "matplotlib": ("matplotlib", "report"),
     "sacrebleu": ("sacrebleu", "eval"),
     "rouge_score": ("rouge-score", "eval"),
+    "peft": ("peft", "finetune"),
 }
 
 

@@ -182,6 +182,13 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.quantized_weight().dequantize(dtype)
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The stored payload (`weight`, or NVFP4/MXFP4's `weight_packed`): where peft looks for a quantized
+        layer's weight (its device) when it wraps the layer in a LoRA layer (mixprec.finetune.lora)."""
+        packed = self._buffers.get(WEIGHT_PACKED)
+        return packed if packed is not None else self.weight
+
     # ---- monitor protocol -----------------------------------------------------------------------
     def set_precision_observer(self, observer, name: str | None = None) -> None:
         self._observer = observer
