@@ -30,6 +30,7 @@ from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.inference.calibration.run import StopRule, calibrate
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
+from mixprec.inference.checkpoint.layout import INPUT_SCALE
 from mixprec.inference.runtime.experts import UnfusedExperts
 from mixprec.inference.runtime.gradients import FakeQuantLinearFunction
 from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
@@ -54,7 +55,7 @@ class QATLinear(nn.Module):
         self.name = name
         self.weight = linear.weight  # the same Parameter: an optimizer built before prepare keeps working
         self.bias = linear.bias
-        self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().clone())
+        self.register_buffer(INPUT_SCALE, None if input_scale is None else input_scale.detach().clone())
         self.peers: dict[str, QATLinear] = {name: self}  # a plain dict: not submodules
 
     def _weight_global_scale(self) -> torch.Tensor | None:
@@ -71,10 +72,15 @@ class QATLinear(nn.Module):
         """(the quantized master weight, its statistics, the inference Linear holding it): what the forward
         runs and what convert_qat_ installs."""
         q, stats = quantize_weight(
-            self.weight.detach(), self.scheme, name=f"{self.name}.weight", global_scale=self._weight_global_scale()
+            self.weight.detach(),
+            self.scheme,
+            name=f"{self.name}.weight",
+            global_scale=self._weight_global_scale(),
         )
         bias = None if self.bias is None else self.bias.detach()
-        layer = quantized_linear(q, bias, self.scheme, input_scale=self.input_scale, out_dtype=self.weight.dtype)
+        layer = quantized_linear(
+            q, bias, self.scheme, input_scale=self.input_scale, out_dtype=self.weight.dtype
+        )
         layer.train(False)
         return q, stats, layer
 
@@ -82,7 +88,9 @@ class QATLinear(nn.Module):
         q, _, layer = self.quantize()
         layer.decoded_cache = False  # a fresh layer per call: nothing to keep
         trains = torch.is_grad_enabled() and (
-            x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+            x.requires_grad
+            or self.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
         )
         if not trains:
             return layer(x)
@@ -151,7 +159,9 @@ def prepare_qat_(
         raise MixprecError(f"scheme {sch.name} quantizes no Linear of this model ({why})")
     _refuse_experts(model, targets, patterns)
     if sch.needs_calibration and calib_data is None:
-        raise MixprecError(f"scheme {sch.name} needs calibration data (calib_data=) for its static input scales")
+        raise MixprecError(
+            f"scheme {sch.name} needs calibration data (calib_data=) for its static input scales"
+        )
     modules = dict(model.named_modules())
     report = ConversionReport(
         recipe=f"qat-{sch.name}", kind=sch.family, device=str(modules[targets[0]].weight.device),
@@ -196,7 +206,9 @@ def convert_qat_(model: nn.Module) -> ConversionReport:
         param_dtype=str(first.weight.dtype).replace("torch.", ""), scheme=first.scheme.name,
     )  # fmt: skip
     if len(schemes) > 1:
-        raise MixprecError(f"QAT layers of several schemes ({', '.join(sorted(schemes))}): convert one at a time")
+        raise MixprecError(
+            f"QAT layers of several schemes ({', '.join(sorted(schemes))}): convert one at a time"
+        )
     built = {name: m.quantize() for name, m in layers.items()}  # all before any swap: peers read weights
     for name, (q, stats, layer) in built.items():
         replace_submodule(model, name, layer)
