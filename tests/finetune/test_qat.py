@@ -270,3 +270,12 @@ def test_moe_experts_are_refused_by_name():
 def test_convert_without_qat_layers_is_refused():
     with pytest.raises(MixprecError, match="no QAT Linear"):
         convert_qat_(tiny_llama())
+
+
+def test_prepare_reports_the_qat_layers_and_what_stays_in_high_precision():
+    model = tiny_llama()
+    report = prepare_qat_(model, "fp8-dynamic")
+    assert report.summary() == {"qat:fp8-dynamic": 14, "skipped: ignored by pattern": 1}  # lm_head
+    q_proj = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(q_proj, QATLinear) and q_proj.weight.requires_grad
+    assert set(q_proj.peers) == {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}

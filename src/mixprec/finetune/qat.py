@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.conversion import ConversionReport, replace_submodule
+from mixprec.conversion import ConversionReport, ModuleEntry, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.inference.calibration.run import StopRule, calibrate
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
@@ -186,7 +186,9 @@ def prepare_qat_(
     for name, new in swapped.items():
         new.train(model.training)
         replace_submodule(model, name, new)
-        report.notes.append(f"{name}: QAT for {sch.name}")
+        report.entries.append(
+            ModuleEntry(name, "Linear", "linear", f"qat:{sch.name}", "", type(new).__name__, new.weight.numel())
+        )
     for name, why in skipped.items():
         report.add_skipped(name, type(modules[name]).__name__, modules[name].weight.numel(), why)
     return report
