@@ -279,3 +279,17 @@ def test_prepare_reports_the_qat_layers_and_what_stays_in_high_precision():
     q_proj = model.get_submodule("model.layers.0.self_attn.q_proj")
     assert isinstance(q_proj, QATLinear) and q_proj.weight.requires_grad
     assert set(q_proj.peers) == {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_untrained_qat_model_is_the_ptq_model(scheme):
+    """Before any step, QAT computes what apply_scheme_ (round to nearest, the same calibration and NVFP4
+    fused global scales) computes: one quantizer for both."""
+    from mixprec.inference.runtime.online import apply_scheme_
+
+    qat, ptq = _prepared(scheme), tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_scheme_(ptq, scheme, calib_data=CALIB)
+    with torch.no_grad():
+        assert torch.equal(qat(IDS).logits, ptq(IDS).logits)
