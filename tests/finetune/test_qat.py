@@ -293,3 +293,19 @@ def test_untrained_qat_model_is_the_ptq_model(scheme):
         apply_scheme_(ptq, scheme, calib_data=CALIB)
     with torch.no_grad():
         assert torch.equal(qat(IDS).logits, ptq(IDS).logits)
+
+
+def test_prepare_twice_is_refused():
+    model = _prepared("fp8-dynamic")
+    with pytest.raises(MixprecError, match="already prepared for QAT"):
+        prepare_qat_(model, "nvfp4a16")
+
+
+def test_a_cast_keeps_the_static_input_scale_bits():
+    model = _prepared("nvfp4")
+    scales = {n: m.input_scale.clone() for n, m in qat_linears(model).items()}
+    model.half()
+    layers = qat_linears(model)
+    assert all(layers[n].input_scale.dtype == torch.float32 and torch.equal(layers[n].input_scale, s)
+               for n, s in scales.items())  # fmt: skip
+    assert all(m.weight.dtype == torch.float16 for m in layers.values())

@@ -55,8 +55,21 @@ class QATLinear(nn.Module):
         self.name = name
         self.weight = linear.weight  # the same Parameter: an optimizer built before prepare keeps working
         self.bias = linear.bias
-        self.register_buffer(INPUT_SCALE, None if input_scale is None else input_scale.detach().clone())
+        self.register_buffer(
+            INPUT_SCALE, None if input_scale is None else input_scale.detach().float().clone()
+        )
         self.peers: dict[str, QATLinear] = {name: self}  # a plain dict: not submodules
+
+    def _apply(self, fn, recurse=True):
+        """Casts (`.to(dtype)`, `.half()`) change the master weight and bias; the frozen static input scale
+        is the checkpoint's number (fp32, as the inference Linear holds it) and only moves device."""
+        kept = self._buffers.get(INPUT_SCALE)
+        self._buffers[INPUT_SCALE] = None  # nn.Module._apply skips None buffers
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers[INPUT_SCALE] = None if kept is None else kept.to(device=self.weight.device)
+        return self
 
     def _weight_global_scale(self) -> torch.Tensor | None:
         """NVFP4: the global scale of the fused group's largest |w|, by apply_scheme_'s rule; else None."""
@@ -152,6 +165,8 @@ def prepare_qat_(
     if kv_cache:
         raise MixprecError("QAT does not quantize the KV cache; prepare without kv_cache (the checkpoint keeps "
                            "a high-precision cache)")  # fmt: skip
+    if prepared := next(iter(qat_linears(model)), None):
+        raise MixprecError(f"the model is already prepared for QAT ({prepared} is a QAT Linear)")
     patterns = resolve_ignore(ignore, defaults=default_ignore)
     targets, skipped = linear_targets(model, sch, patterns)
     if not targets:
@@ -187,7 +202,9 @@ def prepare_qat_(
         new.train(model.training)
         replace_submodule(model, name, new)
         report.entries.append(
-            ModuleEntry(name, "Linear", "linear", f"qat:{sch.name}", "", type(new).__name__, new.weight.numel())
+            ModuleEntry(
+                name, "Linear", "linear", f"qat:{sch.name}", "", type(new).__name__, new.weight.numel()
+            )
         )
     for name, why in skipped.items():
         report.add_skipped(name, type(modules[name]).__name__, modules[name].weight.numel(), why)
