@@ -309,3 +309,16 @@ def test_a_cast_keeps_the_static_input_scale_bits():
     assert all(layers[n].input_scale.dtype == torch.float32 and torch.equal(layers[n].input_scale, s)
                for n, s in scales.items())  # fmt: skip
     assert all(m.weight.dtype == torch.float16 for m in layers.values())
+
+
+def test_static_scheme_checkpoint_records_the_calibrated_input(tmp_path):
+    import json
+
+    model = _prepared("fp8-static")
+    amax = {n: m.input_amax for n, m in qat_linears(model).items()}
+    scale = {n: float(m.input_scale) for n, m in qat_linears(model).items()}
+    convert_qat_(model)
+    save_quantized(model, tmp_path / "q")
+    layers = json.loads((tmp_path / "q" / "model.fp8_scales.json").read_text())["layers"]
+    assert {n: layers[n]["input"]["amax"] for n in amax} == amax
+    assert {n: layers[n]["input"]["scale"] for n in scale} == scale

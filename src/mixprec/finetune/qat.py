@@ -48,7 +48,7 @@ class QATLinear(nn.Module):
     shards, itself included), by name."""
 
     def __init__(self, linear: nn.Linear, scheme: InferenceScheme, name: str,
-                 input_scale: torch.Tensor | None = None) -> None:  # fmt: skip
+                 input_scale: torch.Tensor | None = None, input_amax: float | None = None) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.scheme = scheme
@@ -58,6 +58,7 @@ class QATLinear(nn.Module):
         self.register_buffer(
             INPUT_SCALE, None if input_scale is None else input_scale.detach().float().clone()
         )
+        self.input_amax = input_amax  # the calibrated input amax the scale came from (for the scales file)
         self.peers: dict[str, QATLinear] = {name: self}  # a plain dict: not submodules
 
     def _apply(self, fn, recurse=True):
@@ -193,7 +194,7 @@ def prepare_qat_(
     for name in targets:
         lin = modules[name]
         scale = static_input_scale(sch, input_amax[name], lin.weight.dtype) if sch.needs_calibration else None
-        swapped[name] = QATLinear(lin, sch, name, input_scale=scale)
+        swapped[name] = QATLinear(lin, sch, name, input_scale=scale, input_amax=input_amax.get(name))
     for members in fused_shards(dict.fromkeys(swapped)).values():
         group = {n: swapped[n] for n in members}
         for m in group.values():
@@ -232,7 +233,7 @@ def convert_qat_(model: nn.Module) -> ConversionReport:
     for name, (q, stats, layer) in built.items():
         replace_submodule(model, name, layer)
         m = layers[name]
-        record_quantized(report, name, "Linear", layer, m.scheme, q, stats, m.input_scale, None)
+        record_quantized(report, name, "Linear", layer, m.scheme, q, stats, m.input_scale, m.input_amax)
     model.train(False)
     model.mixprec_report = report  # as apply_scheme_ does: save_quantized reads the layer statistics
     return report
