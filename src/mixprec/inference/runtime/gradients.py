@@ -13,6 +13,10 @@ alone would not have moved to max). Dynamic per-token FP8 never saturates; a sta
 a calibrated global scale and MX blocks (whose power-of-two scale leaves values up to 8 > 6) do.
 
 The forward is the layer's own (`forward_2d`), so the outputs are bit-identical to inference.
+
+FakeQuantLinearFunction is the same forward and input gradient for quantization-aware training
+(finetune/qat.py), where the weight is trainable: it adds the straight-through weight gradient (with the
+weight quantizer's clipping mask) and the bias gradient.
 """
 
 from __future__ import annotations
