@@ -217,6 +217,14 @@ def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: Inf
     return result.input_amax, gptq.results
 
 
+def static_input_scale(sch: InferenceScheme, amax: float, dtype: torch.dtype) -> torch.Tensor:
+    """A calibrated scheme's static input scale from the observed input amax: nvfp4's input global scale
+    (in the weights' dtype), else fp8-static's per-tensor E4M3 scale. QAT (finetune/qat.py) uses it too."""
+    if sch.input_global:
+        return input_global_scale(amax, dtype)
+    return compute_scale(amax, E4M3).reshape(1)
+
+
 def _swap_linear(model: nn.Module, modules: dict[str, nn.Module], name: str, sch: InferenceScheme,
                  given: dict[str, Any], input_amax: dict[str, float], weight_global: torch.Tensor | None,
                  report: ConversionReport, rounded: QuantizedTensor | None = None) -> None:  # fmt: skip
@@ -243,20 +251,22 @@ def _swap_linear(model: nn.Module, modules: dict[str, nn.Module], name: str, sch
             in_scale = torch.tensor([given["input"]["scale"]], dtype=torch.float32)
         else:
             in_amax = input_amax[name]
-            if sch.input_global:  # nvfp4: the static input global scale, in the weights' dtype
-                in_scale = input_global_scale(in_amax, lin.weight.dtype)
-            else:
-                in_scale = compute_scale(in_amax, E4M3).reshape(1)
+            in_scale = static_input_scale(sch, in_amax, lin.weight.dtype)
     new = quantized_linear(q, lin.bias, sch, input_scale=in_scale, out_dtype=lin.weight.dtype)
     new.train(False)
     replace_submodule(model, name, new)
     modules[name] = new
+    record_quantized(report, name, type(lin).__name__, new, sch, q, stats, in_scale, in_amax)
+
+
+def record_quantized(report: ConversionReport, name: str, original: str, new: QuantizedLinear,
+                     sch: InferenceScheme, q: QuantizedTensor, stats: Any, in_scale: torch.Tensor | None,
+                     in_amax: float | None) -> None:  # fmt: skip
+    """Record the Linear `name` (of class `original`), now the inference Linear `new`, in the report."""
     entry = layer_entry(
         scheme=sch.name, weight_granularity=sch.weight_granularity.name, weight_scale=q.scale,
         weight_amax=stats.amax, relative_weight_error=stats.relative_error, shape=tuple(q.shape),
         input_scale=in_scale, input_amax=in_amax, input_dynamic=sch.input_dynamic,
         input_granularity=sch.input_granularity.name,
     ) if sch.is_fp8 else compact_entry(q, sch, stats, tuple(q.shape), in_scale, in_amax)  # fmt: skip
-    report.add_quantized_linear(
-        name, type(lin).__name__, lin.weight.numel(), entry, type(new).__name__, sch.family
-    )
+    report.add_quantized_linear(name, original, q.shape.numel(), entry, type(new).__name__, sch.family)
