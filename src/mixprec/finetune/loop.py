@@ -25,6 +25,7 @@ from torch import nn
 from mixprec.data import batch_indices
 from mixprec.distributed.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from mixprec.errors import MixprecError
+from mixprec.finetune.qat import distillation_loss
 from mixprec.monitor import PrecisionMonitor
 from mixprec.progress import ProgressBars
 from mixprec.training.optim import AdamW
@@ -73,16 +74,6 @@ class LoopResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
-    """KL(teacher ‖ student) of the next-token distributions at temperature T, mean over positions, times
-    T² (so gradients keep their scale across temperatures, as in Hinton et al.'s distillation)."""
-    t = float(temperature)
-    teacher = F.log_softmax(teacher_logits.float() / t, dim=-1)
-    student = F.log_softmax(student_logits.float() / t, dim=-1)
-    kl = (teacher.exp() * (teacher - student)).sum(-1)
-    return kl.mean() * t * t
 
 
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
