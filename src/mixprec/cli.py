@@ -16,6 +16,7 @@ from mixprec.commands import (
     doctor,
     evaluate,
     export_onnx,
+    finetune,
     formats,
     inspect,
     profile,
@@ -37,6 +38,7 @@ COMMANDS = (
     inspect,
     convert,
     evaluate,
+    finetune,
     export_onnx,
     quantize_onnx,
 )

@@ -9,13 +9,28 @@ and as a dict / JSON (``report.to_dict()``, ``report.to_json()``; schema in docs
 from __future__ import annotations
 
 import json
+import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from mixprec.errors import MixprecError
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
+
+
+def _levels_to_the_caller() -> int:
+    """The `stacklevel` that points warnings.warn, called by this function's caller, at the first frame
+    outside the package: counting helper depths by hand broke each time a pipeline was cut into steps."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
 
 SCHEMA_VERSION = 5  # 5: inference reports carry `algorithm` (GPTQ: parameters, data, per-layer output errors); 4: inference reports say the real kind (fp8 / fp4 / mixed) and each layer its own; 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
 # the precision prefixes of a quantized module: the family of its format
@@ -72,11 +87,11 @@ class ConversionReport:
     def add_skipped(self, name: str, type_: str, num_params: int, reason: str, role: str = "linear") -> None:
         self.entries.append(ModuleEntry(name, type_, role, f"skipped: {reason}", reason, None, num_params))
 
-    def warn(self, message: str, *, depth: int = 0) -> None:
-        """Record a warning in the report and raise it as a UserWarning for the caller of the function
-        that warns; `depth`: how many helper calls lie between that function and this call."""
+    def warn(self, message: str) -> None:
+        """Record a warning in the report and raise it as a UserWarning attributed to the first line
+        outside mixprec (the user's call), however many of mixprec's helpers lie in between."""
         self.warnings.append(message)
-        warnings.warn(message, stacklevel=3 + depth)
+        warnings.warn(message, stacklevel=_levels_to_the_caller())
 
     # ---- queries -------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ModuleEntry:

@@ -79,3 +79,15 @@ def test_parameter_gradients_and_mode_are_left_alone(quantized):
 def test_model_without_input_embeddings_is_refused():
     with pytest.raises(MixprecError, match="get_input_embeddings"):
         check_gradient_flow(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4))
+
+
+def test_a_zero_weight_zeroes_the_input_gradient_by_arithmetic():
+    """LoRA's B starts at zero: its input gradient is zero and nothing is broken."""
+    model = tiny_llama()
+    down = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        down.weight.zero_()
+    report = check_gradient_flow(model, IDS)
+    assert report.ok, report.message()
+    flow = next(m for m in report.modules if m.name == "model.layers.0.mlp.down_proj")
+    assert flow.weight_is_zero and not flow.input_grad_nonzero and flow.output_grad_nonzero

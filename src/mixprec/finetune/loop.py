@@ -126,7 +126,7 @@ def train(
             step.accumulate(loss)
             health = monitor.check_step(loss)
             step.step(skip=not health.ok)
-            result.losses.append(float(loss))
+            result.losses.append(float(loss.detach()))
             if not health.ok:
                 result.skipped.append(k)
             if on_step is not None:

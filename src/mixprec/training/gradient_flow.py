@@ -8,7 +8,8 @@ receive a gradient, and names each leaf module where it does not:
 
 - "cut": the input requires a gradient and the output does not (the forward ran outside autograd);
 - "dropped": the output received a gradient and the input none (the backward returned None);
-- "zeroed": the output's gradient is non-zero and the input's is zero everywhere.
+- "zeroed": the output's gradient is non-zero and the input's is zero everywhere, although the module's
+  weight is not all zeros (a zero weight, as LoRA's B starts, zeroes the input gradient by arithmetic).
 
 Leaf modules with weights are checked (Linears, quantized Linears, norms); parameter-free leaves are not.
 
@@ -38,6 +39,7 @@ class ModuleFlow:
     output_grad_nonzero: bool = False
     input_grad_arrived: bool = False
     input_grad_nonzero: bool = False
+    weight_is_zero: bool = False
 
     @property
     def problem(self) -> str | None:
@@ -47,7 +49,7 @@ class ModuleFlow:
             return "cut"
         if self.output_grad_nonzero and not self.input_grad_arrived:
             return "dropped"
-        if self.output_grad_nonzero and not self.input_grad_nonzero:
+        if self.output_grad_nonzero and not self.input_grad_nonzero and not self.weight_is_zero:
             return "zeroed"
         return None
 
@@ -101,6 +103,8 @@ def _watch(name: str, module: nn.Module, flows: dict[str, ModuleFlow]) -> list[A
         alias = x.view_as(x)
         flow = flows.setdefault(name, ModuleFlow(name, type(mod).__name__))
         flow.input_requires_grad = True
+        weight = getattr(mod, "weight", None)
+        flow.weight_is_zero = isinstance(weight, torch.Tensor) and not bool(weight.detach().any())
         alias.register_hook(lambda g: _arrived(flow, g))
         return (alias, *args[1:])
 

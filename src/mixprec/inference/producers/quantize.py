@@ -159,7 +159,7 @@ def select(job: QuantizeJob, source: Source, report: ConversionReport) -> Select
     when no ignore pattern names it)."""
     lw = find_linear_weights(source.ckpt, job.model_dir, source.config)
     if lw.warning:
-        report.warn(lw.warning, depth=1)
+        report.warn(lw.warning)
     plain = job.scheme if job.assignment is None else InferenceScheme.from_name(PLAIN)
     targets, skipped, kept = _select(lw, job.ignore, plain, job.format, strict=job.strict)
     schemes = (
@@ -168,9 +168,7 @@ def select(job: QuantizeJob, source: Source, report: ConversionReport) -> Select
         else apply_assignment(dict(job.assignment), lw.linears, targets, skipped, kept, job.format)
     )
     if not targets:
-        report.warn(
-            f"no Linear weight of {job.model_dir} is quantized (all ignored or none recognised)", depth=1
-        )
+        report.warn(f"no Linear weight of {job.model_dir} is quantized (all ignored or none recognised)")
     unnamed = {
         n: why for n, (_, why) in kept.items() if why not in ("ignored by pattern", KEPT_BY_ASSIGNMENT)
     }
@@ -178,8 +176,7 @@ def select(job: QuantizeJob, source: Source, report: ConversionReport) -> Select
         listed = "; ".join(f"{n}: {why.split(' (')[0]}" for n, why in list(unnamed.items())[:3])
         report.warn(
             f"{len(unnamed)} weight tensor(s) stay in high precision although no ignore pattern names them "
-            f"(e.g. {listed}{'; ...' if len(unnamed) > 3 else ''}); the report lists each with its reason",
-            depth=1,
+            f"(e.g. {listed}{'; ...' if len(unnamed) > 3 else ''}); the report lists each with its reason"
         )
     dequantize_refused = {
         n: why
@@ -190,8 +187,7 @@ def select(job: QuantizeJob, source: Source, report: ConversionReport) -> Select
         name, why = next(iter(dequantize_refused.items()))
         report.warn(
             f"{len(dequantize_refused)} Linear layer(s) load in vLLM and on FP8 GPUs but not in transformers on a "
-            f"CPU (e.g. {name}: {why}); the compressed-tensors layout has no such limit",
-            depth=1,
+            f"CPU (e.g. {name}: {why}); the compressed-tensors layout has no such limit"
         )
     return Selection(lw, targets, skipped, kept, schemes)
 

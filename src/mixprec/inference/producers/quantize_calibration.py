@@ -131,7 +131,7 @@ def _record_gptq(job: QuantizeJob, gptq: GptqPass, batches: list[torch.Tensor], 
                  report: ConversionReport) -> None:  # fmt: skip
     """GPTQ's record into the report's `algorithm` (the side file's body), its warnings into the report."""
     for message in gptq.warnings():
-        report.warn(message, depth=2)
+        report.warn(message)
     record = gptq.record(job.algorithm, batches, seconds, str(job.calib_data))
     report.algorithm = {**(report.algorithm or {}), **record}  # the folds' records kept
     report.notes.append(f"GPTQ: {len(gptq.results)} Linears on {record['tokens']} calibration tokens")

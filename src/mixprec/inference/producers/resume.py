@@ -275,9 +275,7 @@ class PartialRun:
             if i >= len(shards.names) or rec["index"] != i or rec["name"] != shards.names[i]:
                 break
             if not path.is_file() or path.stat().st_size != rec["nbytes"] or _sha256(path) != rec["sha256"]:
-                report.warn(
-                    f"--resume: finished shard {path} is missing or changed; it is written again", depth=2
-                )
+                report.warn(f"--resume: finished shard {path} is missing or changed; it is written again")
                 break
             kept.append(rec)
         if len(kept) < len(self.shards):
@@ -330,7 +328,7 @@ class ReportMark:
     def restore(report: ConversionReport, rec: dict[str, Any]) -> None:
         report.notes += rec["notes"]
         for w in rec["warnings"]:
-            report.warn(w, depth=2)
+            report.warn(w)
         report.calibration, report.algorithm = rec["calibration"], rec["algorithm"]
 
 

@@ -309,8 +309,7 @@ def _weight_scale(name: str, ml: ModuleLayout, ld: _Loading) -> tuple[torch.Tens
         scale, source = weight_scale_tensor(ld.file_layers[name]), "scales file"
         if ld.spec.layout != "scales-file":  # a quantized checkpoint should have held it
             ld.report.warn(
-                f"{name}.weight: weight scale missing from the checkpoint; taken from {ld.file_path.name}",
-                depth=2,
+                f"{name}.weight: weight scale missing from the checkpoint; taken from {ld.file_path.name}"
             )
     return scale, source
 
@@ -336,7 +335,7 @@ def _quantized_weight(w: torch.Tensor, w_name: str, name: str, scale: torch.Tens
     q, stats = quantize_weight(w, sch, name=w_name, scale=given)
     if given is None:
         ld.report.warn(
-            f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight", depth=2
+            f"{w_name}: stored in {w.dtype} without a weight scale; scale recomputed from the weight"
         )
     return q, stats.relative_error
 
@@ -354,12 +353,10 @@ def _input_scale(name: str, ml: ModuleLayout, ld: _Loading) -> torch.Tensor | No
     if name in ld.file_layers and input_scale_tensor(ld.file_layers[name]) is not None:
         if ld.spec.layout != "scales-file":
             ld.report.warn(
-                f"{name}.{INPUT_SCALE} missing from the checkpoint; taken from {ld.file_path.name}", depth=2
+                f"{name}.{INPUT_SCALE} missing from the checkpoint; taken from {ld.file_path.name}"
             )
         return input_scale_tensor(ld.file_layers[name])
-    ld.report.warn(
-        f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales", depth=2
-    )
+    ld.report.warn(f"{name}: static input scale missing everywhere; inputs use dynamic per-tensor scales")
     return None
 
 
@@ -373,7 +370,7 @@ def _place_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], report:
         try:
             model.get_submodule(owner).register_buffer(attr, tensors.pop(name).float())
         except AttributeError:
-            report.warn(f"{name}: no module {owner!r} to hold it; ignored", depth=1)
+            report.warn(f"{name}: no module {owner!r} to hold it; ignored")
 
 
 def _assign_the_rest(model: nn.Module, tensors: dict[str, torch.Tensor], root: Path, report: ConversionReport) -> None:  # fmt: skip
@@ -392,6 +389,5 @@ def _assign_the_rest(model: nn.Module, tensors: dict[str, torch.Tensor], root: P
     unexpected = [n for n in unexpected if n not in own_buffers]
     if unexpected:
         report.warn(
-            f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}",
-            depth=1,
+            f"{root}: {len(unexpected)} checkpoint tensors not used by the model, e.g. {unexpected[:3]}"
         )

@@ -210,7 +210,7 @@ def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: Inf
     static = targets if sch.needs_calibration else []
     result = calibrate_blockwise(model, batches, static, observer=observer, block_pass=gptq)
     for message in gptq.warnings():
-        report.warn(message, depth=2)
+        report.warn(message)
     report.algorithm = gptq.record(spec, batches, result.run.seconds, "calib_data")
     if static:
         report.calibration = {"observer": observer, **result.run.to_dict()}
