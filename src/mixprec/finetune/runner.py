@@ -23,6 +23,7 @@ import copy
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,15 @@ class FinetuneJob:
     force: bool = False
     progress: bool = True
 
+    @cached_property
+    def model_is_quantized(self) -> bool:
+        """--model is a quantized checkpoint (its config says how), not an original model."""
+        return bool(check_model_dir(self.model).get("quantization_config"))
+
+    def calib_batches(self, windows: torch.Tensor) -> list[torch.Tensor]:
+        """The first `calib_samples` training windows in batches of 4: static input scales and GPTQ."""
+        return list(windows[: self.calib_samples].split(4))
+
     @property
     def state_dir(self) -> Path:
         return self.output.parent / f".{self.output.name}.finetune-state"
@@ -99,7 +109,7 @@ class FinetuneJob:
 def finetune(job: FinetuneJob) -> dict[str, Any]:
     """Run the job; returns the report written to output/finetune_report.json."""
     job.check()
-    tokenizer = load_tokenizer(job.teacher if _is_quantized(job.model) and job.teacher else job.model)
+    tokenizer = load_tokenizer(job.teacher if job.model_is_quantized and job.teacher else job.model)
     train_windows, held = _windows(job, tokenizer)
     check_enough_data(train_windows, job.loop)
     if job.force and not job.resume and job.state_dir.exists():
@@ -122,10 +132,6 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
     return report
 
 
-def _is_quantized(directory: Path) -> bool:
-    return bool(check_model_dir(directory).get("quantization_config"))
-
-
 def _windows(job: FinetuneJob, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     windows = text_windows(job.data, tokenizer, job.seq_len)
     if job.eval_data is None:
@@ -141,7 +147,7 @@ def _windows(job: FinetuneJob, tokenizer: Any) -> tuple[torch.Tensor, torch.Tens
 def _original(job: FinetuneJob) -> nn.Module | None:
     """The unquantized model: the verdict's reference and the distillation teacher (None when --model is
     quantized and no --teacher is given: the verdict then has no reference)."""
-    source = job.teacher if job.teacher is not None else None if _is_quantized(job.model) else job.model
+    source = job.teacher if job.teacher is not None else None if job.model_is_quantized else job.model
     if source is None:
         return None
     model = load_dir(source, "reference").model.float()
@@ -154,8 +160,8 @@ def _student(
     job: FinetuneJob, original: nn.Module | None, windows: torch.Tensor
 ) -> tuple[nn.Module, nn.Module]:
     """(the model to train, its quantized starting point for the verdict)."""
-    calib = list(windows[: job.calib_samples].split(4))
-    if _is_quantized(job.model):
+    calib = job.calib_batches(windows)
+    if job.model_is_quantized:
         start = load_dir(job.model, "candidate").model.float()
         base = _as_plain_linears(copy.deepcopy(start)) if job.mode == "qat" else copy.deepcopy(start)
     else:
@@ -197,14 +203,12 @@ def _verdict(
         return None
     reference = score("original", original, held)
     rtn = score(
-        f"{job.scheme} RTN" if not _is_quantized(job.model) else f"{job.model.name} (start)", start, held
+        f"{job.scheme} RTN" if not job.model_is_quantized else f"{job.model.name} (start)", start, held
     )
     candidates = [score(f"{job.scheme} {job.mode}", served, held)]
-    if job.compare_gptq and not _is_quantized(job.model):
+    if job.compare_gptq and not job.model_is_quantized:
         gptq = copy.deepcopy(original)
-        apply_scheme_(
-            gptq, job.scheme, calib_data=list(windows[: job.calib_samples].split(4)), algorithm="gptq"
-        )
+        apply_scheme_(gptq, job.scheme, calib_data=job.calib_batches(windows), algorithm="gptq")
         candidates.insert(0, score(f"{job.scheme} GPTQ", gptq, held))
     return recovery(reference, rtn, candidates, margin=job.margin)
 
