@@ -41,17 +41,17 @@ def _args(model_dir, text, out, mode, *extra):
             "--warmup-steps", "1", "--quiet", *extra]  # fmt: skip
 
 
-def _check_report(doc: dict, mode: str) -> None:
-    assert doc["schema_version"] == 1 and doc["mode"] == mode and doc["scheme"] == "nvfp4a16"
+def _check_report(doc: dict, mode: str, text) -> None:
+    assert doc["schema_version"] == 2 and doc["mode"] == mode and doc["scheme"] == "nvfp4a16"
     assert len(doc["training"]["losses"]) == 3 and all(x == x for x in doc["training"]["losses"])
-    assert (
-        doc["gradient_flow"]["ok"]
-        and doc["gradient_flow"]["broken"] == []
-        and doc["data"]["held_out_windows"] == 4
-    )
-    rows = doc["verdict"]["rows"]
+    assert doc["gradient_flow"]["ok"] and doc["gradient_flow"]["broken"] == []
+    assert doc["data"]["held_out"] == {f"{text} (last 4 windows)": 4}
+    assert doc["parallel"] == {"world_size": 1, "strategy": "none"}
+    (verdict,) = doc["verdicts"]
+    rows = verdict["rows"]
+    assert verdict["text"] == f"{text} (last 4 windows)" and verdict["windows"] == 4
     assert [row["model"] for row in rows] == ["nvfp4a16 RTN", f"nvfp4a16 {mode}"]
-    assert doc["verdict"]["baseline"] == "nvfp4a16 RTN" and doc["verdict"]["reference"] == "original"
+    assert verdict["baseline"] == "nvfp4a16 RTN" and verdict["reference"] == "original"
     assert "gap_closed" in rows[1] and rows[1]["verdict_vs_rtn"] in ("better", "worse", "inconclusive")
 
 
@@ -60,7 +60,7 @@ def test_qat_writes_a_checkpoint_that_computes_what_was_trained(model_dir, text,
     assert main(_args(model_dir, text, out, "qat", "--lr", "1e-3")) == 0
     assert "nvfp4a16 qat" in capsys.readouterr().out
     doc = json.loads((out / REPORT_NAME).read_text())
-    _check_report(doc, "qat")
+    _check_report(doc, "qat", text)
     assert not (tmp_path / ".qat.finetune-state").exists()  # the resumable state goes once the run ends
 
     served = load_quantized(out)
@@ -85,7 +85,8 @@ def test_qat_checkpoint_reproduces_the_verdicts_logits(model_dir, text, tmp_path
     held = text_windows(text, load_tokenizer(model_dir), 32)[-4:]
     scored = score("x", served.float(), held)
     assert (
-        float(torch.exp(scored.nll.sum() / scored.tokens.sum())) == report["verdict"]["rows"][1]["perplexity"]
+        float(torch.exp(scored.nll.sum() / scored.tokens.sum()))
+        == report["verdicts"][0]["rows"][1]["perplexity"]
     )
 
 
@@ -93,10 +94,30 @@ def test_lora_writes_a_peft_adapter_over_the_quantized_base(model_dir, text, tmp
     out = tmp_path / "lora"
     assert main(_args(model_dir, text, out, "lora", "--lora-rank", "4", "--json")) == 0
     doc = json.loads((out / REPORT_NAME).read_text())
-    _check_report(doc, "lora")
+    _check_report(doc, "lora", text)
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4
+
+
+def test_each_eval_text_gets_its_own_verdict_and_the_data_tail_stays_held_out(model_dir, text, tmp_path):
+    """--eval-data (e.g. another corpus) adds a verdict on that text; the last --held-out windows of --data
+    are still never trained on and still judged."""
+    other = tmp_path / "other.txt"
+    other.write_text(
+        "\n\n".join(f"A different text, line {i}: seven sleepy cats nap in the sun." for i in range(60))
+    )
+    job = FinetuneJob(model=model_dir, scheme="nvfp4a16", mode="qat", data=text, output=tmp_path / "q",
+                      eval_data=(other,), held_out=4, seq_len=32, progress=False,
+                      loop=LoopSettings(steps=2, batch_size=2, lr=1e-3, warmup_steps=0))  # fmt: skip
+    report = finetune(job)
+    windows = text_windows(text, load_tokenizer(model_dir), 32)
+    assert report["data"]["train_windows"] == windows.shape[0] - 4
+    assert [v["text"] for v in report["verdicts"]] == [f"{text} (last 4 windows)", str(other)]
+    assert report["data"]["held_out"] == {f"{text} (last 4 windows)": 4, str(other): 4}
+    tail, elsewhere = report["verdicts"]
+    assert tail["reference_perplexity"] != elsewhere["reference_perplexity"]  # scored on different windows
+    assert [r["model"] for r in elsewhere["rows"]] == ["nvfp4a16 RTN", "nvfp4a16 qat"]
 
 
 def test_teacher_turns_on_distillation(model_dir, text, tmp_path):
@@ -137,3 +158,18 @@ def test_an_existing_output_is_refused_without_force(model_dir, text, tmp_path):
     with pytest.raises(MixprecError, match="exists"):
         finetune(job)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_a_quantized_model_trains_from_its_weights_and_must_hold_the_scheme(model_dir, text, tmp_path):
+    """GPTQ-then-QAT's path: --model a quantized checkpoint, --teacher the original. Its scheme must be
+    --scheme; another is refused before training, and nothing is written."""
+    rtn = _rtn_checkpoint(model_dir, tmp_path)
+    settings = LoopSettings(steps=2, batch_size=2, lr=1e-3, warmup_steps=0)
+    kw = dict(model=rtn, mode="qat", data=text, teacher=model_dir, held_out=4, seq_len=32, loop=settings,
+              progress=False)  # fmt: skip
+    with pytest.raises(MixprecError, match=r"holds nvfp4a16, not --scheme mxfp4a16"):
+        finetune(FinetuneJob(scheme="mxfp4a16", output=tmp_path / "wrong", **kw))
+    assert not (tmp_path / "wrong").exists() and not (tmp_path / ".wrong.finetune-state").exists()
+    report = finetune(FinetuneJob(scheme="nvfp4a16", output=tmp_path / "q", **kw))
+    rows = report["verdicts"][0]["rows"]
+    assert [r["model"] for r in rows] == ["rtn (start)", "nvfp4a16 qat"]

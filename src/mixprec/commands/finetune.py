@@ -1,6 +1,7 @@
 """`mixprec finetune`: QAT for a scheme, or LoRA adapters over its quantized form, then a verdict against
 the original and round to nearest on held-out text (mixprec/finetune/runner.py says which --model and
---mode combinations do what)."""
+--mode combinations do what). Under torchrun it runs data-parallel (--dp ddp or fsdp2): each rank trains its
+share of every batch; rank 0 scores the verdict, prints and writes."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import argparse
 import json
 from pathlib import Path
 
+from mixprec.commands import torchrun
 from mixprec.commands.extras import require
+from mixprec.distributed.prepare import STRATEGIES
 from mixprec.finetune.loop import LoopSettings
 from mixprec.finetune.runner import MODES, REPORT_NAME, FinetuneJob, finetune
 from mixprec.finetune.verdict import table
 from mixprec.inference.schemes import SCHEMES
+from mixprec.ranks import launched_rank
 
 NAME = "finetune"
+TORCHRUN = True  # runs data-parallel under torchrun (mixprec.cli lets it through)
 HELP = (
     "fine-tune for a quantization scheme (QAT) or LoRA adapters over the quantized model, with an optional "
     "teacher (distillation); judged against the original and round to nearest on held-out text"
@@ -36,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--teacher", type=Path, default=None,
                         help="the original model: distil from it (KL on logits) and judge against it")  # fmt: skip
-    parser.add_argument("--eval-data", type=Path, default=None,
-                        help="held-out text for the verdict (default: the last --held-out windows of --data, "
-                        "never trained on)")  # fmt: skip
+    parser.add_argument("--eval-data", type=Path, action="append", default=[],
+                        help="another held-out text with its own verdict, e.g. another corpus (repeatable; the "
+                        "last --held-out windows of --data, never trained on, are always scored)")  # fmt: skip
     parser.add_argument(
         "--held-out", type=int, default=16, help="windows the verdict scores (default: %(default)s)"
     )
@@ -65,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue a killed run from its last saved state"
     )
     parser.add_argument("--force", action="store_true", help="replace --output; discard an unfinished run")
+    parser.add_argument("--dp", choices=[s for s in STRATEGIES if s != "none"], default="ddp",
+                        help="under torchrun: DistributedDataParallel or FSDP2 (default: %(default)s)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -75,10 +82,10 @@ def job_from_args(args: argparse.Namespace) -> FinetuneJob:
                         seed=args.seed, save_every=args.save_every, temperature=args.temperature)  # fmt: skip
     return FinetuneJob(
         model=args.model, scheme=args.scheme, mode=args.mode, data=args.data, output=args.output,
-        teacher=args.teacher, eval_data=args.eval_data, held_out=args.held_out, seq_len=args.seq_len,
+        teacher=args.teacher, eval_data=tuple(args.eval_data), held_out=args.held_out, seq_len=args.seq_len,
         loop=loop, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
         compare_gptq=args.compare_gptq, margin=args.margin, resume=args.resume, force=args.force,
-        progress=not args.quiet,
+        progress=not args.quiet, data_parallel=args.dp,
     )  # fmt: skip
 
 
@@ -86,15 +93,19 @@ def run(args: argparse.Namespace) -> int:
     needs = {"transformers": "the models"} | ({"peft": "LoRA adapters"} if args.mode == "lora" else {})
     require(NAME, needs)
     job = job_from_args(args)
-    report = finetune(job)
+    with torchrun.session() as world:
+        torchrun.check_batch(args.batch_size, world)
+        report = finetune(job)
+    if launched_rank() != 0:  # rank 0 prints (the process group is gone by now)
+        return 0
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     losses = report["training"]["losses"]
     print(f"{args.mode} for {args.scheme}: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
           f"({report['seconds']:.0f} s); written to {args.output} ({REPORT_NAME})")  # fmt: skip
-    if report["verdict"] is None:
+    if not report["verdicts"]:
         print("no verdict: a quantized --model needs --teacher (the original) to be judged against")
-    else:
-        print(table(report["verdict"]))
+    for verdict in report["verdicts"]:
+        print(f"\n{verdict['text']}\n{table(verdict)}")
     return 0

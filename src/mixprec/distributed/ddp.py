@@ -111,12 +111,33 @@ def wrap_ddp(model: nn.Module, optimizer: Any = None, **ddp_kwargs: Any) -> Dist
         # torch >= 2.13 names it forward_sync_buffers (broadcast_buffers is deprecated there)
         names = inspect.signature(DistributedDataParallel.__init__).parameters
         ddp_kwargs["forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"] = False
+    _ignore_low_precision_buffers(model)
     ddp = DistributedDataParallel(model, **ddp_kwargs)
     # remembered to catch a conversion after wrapping (register_fp32_grad_hook refuses it)
     ddp._mixprec_wrapped_dtypes = tuple(p.dtype for p in model.parameters())
     if optimizer is not None:
         register_fp32_grad_hook(ddp, optimizer)
     return ddp
+
+
+# dtypes gloo's broadcast rejects ("Invalid scalar type"): frozen quantized payloads (float8 codes, packed
+# FP4 scales) of inference layers that LoRA trains over
+_UNBROADCASTABLE = {
+    dtype
+    for dtype in (getattr(torch, name) for name in dir(torch) if name.startswith(("float8", "float4")))
+    if isinstance(dtype, torch.dtype)
+}
+
+
+def _ignore_low_precision_buffers(model: nn.Module) -> None:
+    """Keep DDP's start-up broadcast off the float8 / float4 buffers.
+
+    DDP broadcasts rank 0's parameters and buffers when it wraps; gloo cannot carry these dtypes. They are
+    frozen payloads read from the same checkpoint on every rank, so rank 0's copy would change nothing.
+    Uses DDP's own (private, long-standing) hook for it, `_set_params_and_buffers_to_ignore_for_model`."""
+    names = [name for name, b in model.named_buffers() if b.dtype in _UNBROADCASTABLE]
+    if names:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 __all__ = ["register_fp32_grad_hook", "wrap_ddp"]

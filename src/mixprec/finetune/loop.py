@@ -24,10 +24,12 @@ from torch import nn
 
 from mixprec.data import batch_indices
 from mixprec.distributed.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from mixprec.distributed.prepare import DataParallel, unwrap
 from mixprec.errors import MixprecError
 from mixprec.finetune.qat import distillation_loss
 from mixprec.monitor import PrecisionMonitor
 from mixprec.progress import ProgressBars
+from mixprec.ranks import is_main_process
 from mixprec.training.optim import AdamW
 from mixprec.training.step import TrainingStep
 
@@ -101,48 +103,65 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_step: Callable[[int, float], None] | None = None,
+    parallel: DataParallel | None = None,
 ) -> LoopResult:
-    """Train `model`'s parameters that require a gradient on `windows` [n, seq_len] of token ids."""
+    """Train `model`'s parameters that require a gradient on `windows` [n, seq_len] of token ids.
+
+    parallel: data-parallel under torchrun (DataParallel("ddp") or ("fsdp2")): every rank holds the same
+    model and windows, takes its contiguous share of each global batch of `batch_size` windows, and the
+    logged loss is the mean over ranks, so the run computes what one process computes on the whole batch
+    (to the order of the gradient reduction). Under FSDP2 `model` is left sharded: `full_state_dict`.
+    """
     settings.check()
     check_enough_data(windows, settings)
-    params = [p for p in model.parameters() if p.requires_grad]
+    parallel = parallel if parallel is not None else DataParallel("none")
+    wrapped = parallel.wrap(model)  # before the optimizer: FSDP2 replaces the parameters
+    params = [p for p in wrapped.parameters() if p.requires_grad]
     if not params:
         raise MixprecError("the model has no trainable parameters (prepare it for QAT or add LoRA adapters)")
-    optimizer = AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    step = TrainingStep(model, optimizer, max_grad_norm=settings.max_grad_norm)
+    optimizer = parallel.attach(wrapped, AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay))
+    step = TrainingStep(model, optimizer, max_grad_norm=settings.max_grad_norm, parallel=parallel)
     monitor = PrecisionMonitor(model, every=10**9, optimizer=optimizer)
     result, start = LoopResult(), 0
     if resume and state_dir is not None and (state_dir / "manifest.json").exists():
-        start, result = _restore(state_dir, model, optimizer, settings)
-    model.train()
+        start, result = _restore(state_dir, wrapped, optimizer, settings)
+    wrapped.train()
     if teacher is not None:
         teacher.eval()
     began = time.perf_counter()
-    with ProgressBars(progress, time_remaining=True) as bars:
+    with ProgressBars(progress and is_main_process(), time_remaining=True) as bars:
         bar = bars.add("fine-tuning (steps)", settings.steps)
         bar.update(completed=start)
         for k in range(start, settings.steps):
-            loss = _micro_step(model, teacher, windows, settings, k, optimizer)
+            loss = _micro_step(wrapped, teacher, windows, settings, k, optimizer, parallel)
             step.accumulate(loss)
             health = monitor.check_step(loss)
-            step.step(skip=not health.ok)
-            result.losses.append(float(loss.detach()))
-            if not health.ok:
+            info = step.step(skip=not health.ok)  # every rank skips when one saw a non-finite value
+            result.losses.append(parallel.mean(loss.detach()))
+            if info.get("skipped"):
                 result.skipped.append(k)
             if on_step is not None:
-                on_step(k, float(loss))
+                on_step(k, result.losses[-1])
             bar.advance()
             if state_dir is not None and ((k + 1) % settings.save_every == 0 or k + 1 == settings.steps):
-                _save(state_dir, model, optimizer, settings, k + 1, result)
+                _save(state_dir, wrapped, optimizer, settings, k + 1, result)
     result.seconds += time.perf_counter() - began
-    model.eval()
+    unwrap(wrapped).eval()
     return result
 
 
-def _micro_step(model, teacher, windows, settings: LoopSettings, k: int, optimizer) -> torch.Tensor:
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state dict, whole: FSDP2's DTensor shards are all-gathered (collective:
+    every rank calls it), plain tensors come as they are."""
+    return {
+        name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in model.state_dict().items()
+    }
+
+
+def _micro_step(model, teacher, windows, settings: LoopSettings, k: int, optimizer, parallel) -> torch.Tensor:
     for group in optimizer.param_groups:
         group["lr"] = settings.lr_at(k)
-    ids = windows[batch_indices(windows.shape[0], settings.batch_size, k, settings.seed)]
+    ids = parallel.shard(windows[batch_indices(windows.shape[0], settings.batch_size, k, settings.seed)])
     logits = model(ids).logits
     if teacher is None:
         return next_token_loss(logits, ids)

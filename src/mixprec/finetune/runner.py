@@ -30,11 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.prepare import STRATEGIES, DataParallel
+from mixprec.distributed.world import barrier
 from mixprec.errors import MixprecError
 from mixprec.evaluation.models import load_dir
 from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
 from mixprec.finetune.data import split_held_out, text_windows
-from mixprec.finetune.loop import LoopResult, LoopSettings, check_enough_data, train
+from mixprec.finetune.loop import LoopResult, LoopSettings, check_enough_data, full_state_dict, train
 from mixprec.finetune.lora import add_lora
 from mixprec.finetune.qat import convert_qat_, prepare_qat_
 from mixprec.finetune.verdict import recovery, score
@@ -43,11 +45,12 @@ from mixprec.inference.producers.save import save_quantized
 from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.inference.schemes import InferenceScheme
+from mixprec.ranks import is_main_process, world_size
 from mixprec.training.gradient_flow import check_gradient_flow
 
 MODES = ("qat", "lora")
 REPORT_NAME = "finetune_report.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: one verdict per held-out text (`verdicts`), `parallel`
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class FinetuneJob:
     data: Path
     output: Path
     teacher: Path | None = None
-    eval_data: Path | None = None
+    eval_data: tuple[Path, ...] = ()  # more held-out texts, each scored apart (e.g. another corpus)
     held_out: int = 16  # windows scored by the verdict
     seq_len: int = 256
     loop: LoopSettings = field(default_factory=LoopSettings)
@@ -71,6 +74,7 @@ class FinetuneJob:
     resume: bool = False
     force: bool = False
     progress: bool = True
+    data_parallel: str = "none"  # "ddp" or "fsdp2" under torchrun (mixprec.distributed.DataParallel)
 
     @cached_property
     def model_is_quantized(self) -> bool:
@@ -93,12 +97,14 @@ class FinetuneJob:
         check_model_dir(self.model, role="--model")
         if self.teacher is not None:
             check_model_dir(self.teacher, role="--teacher")
-        for flag, path in (("--data", self.data), ("--eval-data", self.eval_data)):
-            if path is not None and not Path(path).exists():
+        for flag, path in (("--data", self.data), *(("--eval-data", p) for p in self.eval_data)):
+            if not Path(path).exists():
                 raise MixprecError(f"{flag} {path} does not exist")
         self.loop.check()
         if self.lora_rank < 1:
             raise MixprecError(f"--lora-rank must be >= 1, got {self.lora_rank}")
+        if self.data_parallel not in STRATEGIES:
+            raise MixprecError(f"--dp must be one of {', '.join(STRATEGIES)}, got {self.data_parallel!r}")
         if not self.resume:
             check_new_output(self.output, self.force)
             if self.state_dir.exists() and not self.force:
@@ -107,13 +113,21 @@ class FinetuneJob:
 
 
 def finetune(job: FinetuneJob) -> dict[str, Any]:
-    """Run the job; returns the report written to output/finetune_report.json."""
+    """Run the job; returns the report written to output/finetune_report.json.
+
+    Under torchrun every rank builds the same student and trains its share of each batch (job.data_parallel);
+    rank 0 alone scores the verdict and writes the output."""
     job.check()
+    if world_size() > 1 and job.data_parallel == "none":
+        raise MixprecError(f"{world_size()} processes in torch.distributed: fine-tune with data_parallel "
+                           "'ddp' or 'fsdp2' (every process would train alone and write the same output)")  # fmt: skip
+    parallel = DataParallel(job.data_parallel if world_size() > 1 else "none")
     tokenizer = load_tokenizer(job.teacher if job.model_is_quantized and job.teacher else job.model)
     train_windows, held = _windows(job, tokenizer)
     check_enough_data(train_windows, job.loop)
-    if job.force and not job.resume and job.state_dir.exists():
+    if job.force and not job.resume and job.state_dir.exists() and is_main_process():
         shutil.rmtree(job.state_dir)
+    barrier()
     began = time.perf_counter()
     original = _original(job)
     student, start = _student(job, original, train_windows)
@@ -121,27 +135,40 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
     flow.raise_if_broken()
     teacher = original if job.teacher is not None else None
     result = train(student, train_windows, job.loop, teacher=teacher, state_dir=job.state_dir, resume=job.resume,
-                   progress=job.progress)  # fmt: skip
-    served = _served(job, student)
-    verdict = _verdict(job, original, served, start, held, train_windows)
-    report = _report(job, result, verdict, flow.to_dict(), train_windows, held, time.perf_counter() - began)
-    with atomic_output_dir(job.output, force=True) as tmp:
-        _save_result(job, served, tokenizer, tmp)
-        write_json_atomic(tmp / REPORT_NAME, report)
-    shutil.rmtree(job.state_dir, ignore_errors=True)
+                   progress=job.progress, parallel=parallel)  # fmt: skip
+    if parallel.strategy == "fsdp2":  # the trained model is sharded: gather it into a fresh, whole student
+        whole = full_state_dict(student)
+        student, _ = _student(job, original, train_windows)
+        student.load_state_dict(whole)
+    report: dict[str, Any] = {}
+    if is_main_process():
+        served = _served(job, student)
+        verdicts = _verdict(job, original, served, start, held, train_windows)
+        seconds = time.perf_counter() - began
+        report = _report(
+            job, result, verdicts, flow.to_dict(), train_windows, held, seconds, parallel.strategy
+        )
+        with atomic_output_dir(job.output, force=True) as tmp:
+            _save_result(job, served, tokenizer, tmp)
+            write_json_atomic(tmp / REPORT_NAME, report)
+        shutil.rmtree(job.state_dir, ignore_errors=True)
+    barrier()
     return report
 
 
-def _windows(job: FinetuneJob, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    windows = text_windows(job.data, tokenizer, job.seq_len)
-    if job.eval_data is None:
-        return split_held_out(windows, job.held_out)
-    held = text_windows(job.eval_data, tokenizer, job.seq_len, what="--eval-data", limit=job.held_out)
-    if held.shape[0] < 2:
-        raise MixprecError(
-            f"--eval-data {job.eval_data}: {held.shape[0]} window of {job.seq_len} tokens; need 2"
-        )
-    return windows, held
+def _windows(job: FinetuneJob, tokenizer: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(training windows, {held-out text: its windows}): the last --held-out windows of --data, never trained
+    on, then up to --held-out windows of each --eval-data text."""
+    train_windows, tail = split_held_out(text_windows(job.data, tokenizer, job.seq_len), job.held_out)
+    held = {f"{job.data} (last {tail.shape[0]} windows)": tail}
+    for path in job.eval_data:
+        windows = text_windows(path, tokenizer, job.seq_len, what="--eval-data", limit=job.held_out)
+        if windows.shape[0] < 2:
+            raise MixprecError(
+                f"--eval-data {path}: {windows.shape[0]} window of {job.seq_len} tokens; need 2"
+            )
+        held[str(path)] = windows
+    return train_windows, held
 
 
 def _original(job: FinetuneJob) -> nn.Module | None:
@@ -163,6 +190,7 @@ def _student(
     calib = job.calib_batches(windows)
     if job.model_is_quantized:
         start = load_dir(job.model, "candidate").model.float()
+        _check_stored_scheme(job, start)
         base = _as_plain_linears(copy.deepcopy(start)) if job.mode == "qat" else copy.deepcopy(start)
     else:
         base = (
@@ -179,7 +207,20 @@ def _student(
     if job.mode == "qat":
         prepare_qat_(base, job.scheme, calib_data=calib)
         return base, start
+    # peft draws lora_A from torch's generator: the same adapters on every rank and in every run
+    torch.manual_seed(job.loop.seed)
     return add_lora(base, r=job.lora_rank, lora_alpha=job.lora_alpha, target_modules=job.lora_targets), start
+
+
+def _check_stored_scheme(job: FinetuneJob, model: nn.Module) -> None:
+    """A quantized --model must hold --scheme: QAT would otherwise train for one format and start from
+    another, and the verdict's "start" row would not be --scheme's RTN."""
+    stored = sorted({m.scheme.name for m in model.modules() if isinstance(m, QuantizedLinear)})
+    if stored != [InferenceScheme.from_name(job.scheme).name]:
+        raise MixprecError(
+            f"--model {job.model} holds {', '.join(stored) or 'no quantized Linear'}, not --scheme {job.scheme}: "
+            "pass the scheme it holds, or the original model to quantize it with --scheme"
+        )
 
 
 def _as_plain_linears(model: nn.Module) -> nn.Module:
@@ -196,21 +237,25 @@ def _as_plain_linears(model: nn.Module) -> nn.Module:
 
 
 def _verdict(
-    job: FinetuneJob, original, served, start, held: torch.Tensor, windows: torch.Tensor
-) -> dict | None:
-    """Score the original, RTN (and GPTQ) and the result on the held-out windows; None without an original."""
+    job: FinetuneJob, original, served, start, held: dict[str, torch.Tensor], windows: torch.Tensor
+) -> list[dict]:
+    """One verdict per held-out text: the original, RTN (and GPTQ) and the result scored on its windows;
+    none without an original to judge against."""
     if original is None:
-        return None
-    reference = score("original", original, held)
-    rtn = score(
-        f"{job.scheme} RTN" if not job.model_is_quantized else f"{job.model.name} (start)", start, held
-    )
-    candidates = [score(f"{job.scheme} {job.mode}", served, held)]
+        return []
+    models = {f"{job.scheme} RTN" if not job.model_is_quantized else f"{job.model.name} (start)": start}
     if job.compare_gptq and not job.model_is_quantized:
         gptq = copy.deepcopy(original)
         apply_scheme_(gptq, job.scheme, calib_data=job.calib_batches(windows), algorithm="gptq")
-        candidates.insert(0, score(f"{job.scheme} GPTQ", gptq, held))
-    return recovery(reference, rtn, candidates, margin=job.margin)
+        models[f"{job.scheme} GPTQ"] = gptq
+    models[f"{job.scheme} {job.mode}"] = served
+    verdicts = []
+    for text, ids in held.items():
+        rtn, *candidates = (score(name, model, ids) for name, model in models.items())
+        verdicts.append(
+            {"text": text, **recovery(score("original", original, ids), rtn, candidates, margin=job.margin)}
+        )
+    return verdicts
 
 
 def _served(job: FinetuneJob, student: nn.Module) -> nn.Module:
@@ -231,8 +276,8 @@ def _save_result(job: FinetuneJob, student: nn.Module, tokenizer: Any, into: Pat
         student.save_pretrained(str(into))
 
 
-def _report(job: FinetuneJob, result: LoopResult, verdict: dict | None, flow: dict, train_windows: torch.Tensor,
-            held: torch.Tensor, seconds: float) -> dict[str, Any]:  # fmt: skip
+def _report(job: FinetuneJob, result: LoopResult, verdicts: list[dict], flow: dict, train_windows: torch.Tensor,
+            held: dict[str, torch.Tensor], seconds: float, strategy: str) -> dict[str, Any]:  # fmt: skip
     return {
         "schema_version": SCHEMA_VERSION,
         "mode": job.mode,
@@ -241,13 +286,13 @@ def _report(job: FinetuneJob, result: LoopResult, verdict: dict | None, flow: di
         "teacher": None if job.teacher is None else str(job.teacher),
         "data": {
             "train_windows": int(train_windows.shape[0]),
-            "held_out_windows": int(held.shape[0]),
             "seq_len": job.seq_len,
-            "held_out_from": str(job.eval_data or job.data),
+            "held_out": {text: int(ids.shape[0]) for text, ids in held.items()},
         },
         "settings": asdict(job.loop),
         "gradient_flow": flow,
         "training": {**result.to_dict(), "loss": "distillation" if job.teacher is not None else "next-token"},
-        "verdict": verdict,
+        "parallel": {"world_size": world_size(), "strategy": strategy},
+        "verdicts": verdicts,
         "seconds": seconds,
     }
