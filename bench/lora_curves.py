@@ -9,8 +9,9 @@ next-token loss) on the same windows of `--data`, in the same order, with adapte
 quantized online with `--scheme`. Prints both loss curves (mean of every `--every` steps), then the held-out
 verdict on `--eval-data`: each base before and after its adapters, and the quantized base + LoRA against the
 high-precision base + LoRA (perplexity change with a paired 95 % interval, mixprec.finetune.verdict).
-Finally the quantized run's adapter, saved in peft's format, is loaded by plain peft on the high-precision
-model and scored too (what an adapter trained on the quantized base does on the original).
+Then the quantized run's adapters merged into its base and rounded again (merge_lora: what merging costs),
+and its adapter, saved in peft's format, loaded by plain peft on the high-precision model (what an adapter
+trained on the quantized base does on the original) are scored too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from peft import PeftModel
 from mixprec.evaluation.models import load_dir
 from mixprec.finetune.data import text_windows
 from mixprec.finetune.loop import LoopSettings, train
-from mixprec.finetune.lora import add_lora
+from mixprec.finetune.lora import add_lora, merge_lora
 from mixprec.finetune.verdict import recovery, score, table
 from mixprec.hf import load_tokenizer
 from mixprec.inference.runtime.online import apply_scheme_
@@ -85,6 +86,7 @@ def main() -> None:
         q_model.save_pretrained(tmp)
         on_original = PeftModel.from_pretrained(copy.deepcopy(original), tmp)
         rows = [score(f"{args.scheme} + LoRA", q_model, held),
+                score(f"{args.scheme} + LoRA merged, rounded again (merge_lora)", merge_lora(q_model), held),
                 score(f"original + the {args.scheme} run's adapter (plain peft)", on_original, held)]  # fmt: skip
     reference = score("original + LoRA", hp_model, held)
     print("\nheld-out, against the high-precision base + LoRA:")
