@@ -9,6 +9,9 @@ the original, GPTQ-then-QAT) on one footing: the original model, round to neares
 here from the original) and every NAME=DIR checkpoint are scored on the same `--windows` windows of
 `--data` (mixprec.finetune.verdict.score), and the verdict gives each checkpoint's perplexity change
 against the original and the share of RTN's gap it closes, with paired 95 % intervals over windows.
+The windows are the ones `mixprec finetune --eval-data` scores (mixprec.finetune.data.text_windows), so
+the rows line up with a fine-tune's report; bench/gap_closed.py does the same from `mixprec evaluate`
+files, on evaluate's blocks.
 """
 
 from __future__ import annotations

@@ -139,6 +139,12 @@ def shard_model(
 # ---- mixprec.AdamW on DTensor shards ------------------------------------------------------------
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state dict, whole: DTensor shards all-gathered (a collective: every rank
+    calls it), plain tensors as they are."""
+    return {name: t.full_tensor() if _is_dtensor(t) else t for name, t in model.state_dict().items()}
+
+
 def _shard_slices(t) -> tuple[slice, ...]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -110,7 +110,7 @@ def train(
     parallel: data-parallel under torchrun (DataParallel("ddp") or ("fsdp2")): every rank holds the same
     model and windows, takes its contiguous share of each global batch of `batch_size` windows, and the
     logged loss is the mean over ranks, so the run computes what one process computes on the whole batch
-    (to the order of the gradient reduction). Under FSDP2 `model` is left sharded: `full_state_dict`.
+    (to the order of the gradient reduction). Under FSDP2 `model` is left sharded: mixprec.distributed.fsdp.full_state_dict.
     """
     settings.check()
     check_enough_data(windows, settings)
@@ -148,14 +148,6 @@ def train(
     result.seconds += time.perf_counter() - began
     unwrap(wrapped).eval()
     return result
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's state dict, whole: FSDP2's DTensor shards are all-gathered (collective:
-    every rank calls it), plain tensors come as they are."""
-    return {
-        name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in model.state_dict().items()
-    }
 
 
 def _micro_step(model, teacher, windows, settings: LoopSettings, k: int, optimizer, parallel) -> torch.Tensor:

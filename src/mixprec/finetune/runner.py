@@ -30,13 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.fsdp import full_state_dict
 from mixprec.distributed.prepare import STRATEGIES, DataParallel
 from mixprec.distributed.world import barrier
 from mixprec.errors import MixprecError
 from mixprec.evaluation.models import load_dir
 from mixprec.files import atomic_output_dir, check_new_output, write_json_atomic
 from mixprec.finetune.data import split_held_out, text_windows
-from mixprec.finetune.loop import LoopResult, LoopSettings, check_enough_data, full_state_dict, train
+from mixprec.finetune.loop import LoopResult, LoopSettings, check_enough_data, train
 from mixprec.finetune.lora import add_lora
 from mixprec.finetune.qat import convert_qat_, prepare_qat_
 from mixprec.finetune.verdict import recovery, score
@@ -136,12 +137,12 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
     teacher = original if job.teacher is not None else None
     result = train(student, train_windows, job.loop, teacher=teacher, state_dir=job.state_dir, resume=job.resume,
                    progress=job.progress, parallel=parallel)  # fmt: skip
-    if parallel.strategy == "fsdp2":  # the trained model is sharded: gather it into a fresh, whole student
-        whole = full_state_dict(student)
-        student, _ = _student(job, original, train_windows)
-        student.load_state_dict(whole)
+    whole = full_state_dict(student) if parallel.strategy == "fsdp2" else None  # every rank gathers
     report: dict[str, Any] = {}
     if is_main_process():
+        if whole is not None:  # the trained model is sharded: rank 0 loads it into a fresh, whole student
+            student, _ = _student(job, original, train_windows)
+            student.load_state_dict(whole)
         served = _served(job, student)
         verdicts = _verdict(job, original, served, start, held, train_windows)
         seconds = time.perf_counter() - began
