@@ -12,9 +12,9 @@ import pytest
 from mixprec import __version__
 from mixprec.cli import main
 from mixprec.commands import compare as compare_cmd
+from mixprec.commands import convert as convert_cmd
 from mixprec.commands import demo as demo_cmd
 from mixprec.commands import evaluate as evaluate_cmd
-from mixprec.commands import quantize as quantize_cmd
 
 
 def _no_work(*args, **kwargs):
@@ -131,18 +131,18 @@ def test_evaluate_lm_needs_no_bleu(tmp_path, monkeypatch):
 def test_a_command_that_is_not_data_parallel_refuses_torchrun(
     tmp_path, monkeypatch, capsys, rank, prints, code
 ):
-    """Two torchrun processes of `mixprec quantize` would write the same --output: no rank does any work;
+    """Two torchrun processes of `mixprec convert` would write the same output: no rank does any work;
     rank 0 prints the reason once and exits 2; the others leave quietly (exit 0), so that torchrun does
     not kill rank 0 before it has printed, and the job fails with rank 0's code."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", rank)
-    monkeypatch.setattr(quantize_cmd, "run", _no_work)
+    monkeypatch.setattr(convert_cmd, "run", _no_work)
     out = tmp_path / "fp8"
-    assert main(["quantize", "--model", str(tmp_path), "--output", str(out)]) == code
+    assert main(["convert", str(tmp_path), str(out), "--to", "hf-fp8"]) == code
     err = capsys.readouterr().err
     if prints:
-        assert "mixprec quantize: error: `mixprec quantize` does not run data-parallel" in err
+        assert "mixprec convert: error: `mixprec convert` does not run data-parallel" in err
         assert "with 2 processes" in err and "--nproc-per-node 1" in err
     else:
         assert err == ""
@@ -160,9 +160,9 @@ def test_one_torchrun_process_is_a_plain_run(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(quantize_cmd, "run", reached)
+    monkeypatch.setattr(convert_cmd, "run", reached)
     with pytest.raises(Reached):
-        main(["quantize", "--model", str(tmp_path), "--output", str(tmp_path / "fp8")])
+        main(["convert", str(tmp_path), str(tmp_path / "fp8"), "--to", "hf-fp8"])
 
 
 def test_quantize_help_names_every_format_it_writes_and_keeps_its_options(capsys):

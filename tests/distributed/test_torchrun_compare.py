@@ -91,10 +91,10 @@ def test_fsdp2_compare_under_torchrun(tmp_path):
 def test_a_command_that_is_not_data_parallel_refuses_before_any_work(tmp_path):
     out = tmp_path / "fp8"
     cmd = [_beside_python("torchrun"), "--standalone", "--nproc-per-node", "2", _beside_python("mixprec"),
-           "quantize", "--model", str(tmp_path), "--output", str(out)]  # fmt: skip
+           "convert", str(tmp_path), str(out), "--to", "hf-fp8"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0 and "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.count("mixprec quantize: error: `mixprec quantize` does not run data-parallel") == 1
+    assert proc.stderr.count("mixprec convert: error: `mixprec convert` does not run data-parallel") == 1
     assert not out.exists()
 
 

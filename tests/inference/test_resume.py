@@ -297,8 +297,9 @@ def test_a_second_process_on_the_same_output_is_refused(llama_dir, calib_file, t
 
 def test_a_changed_shard_and_a_cut_log_line_are_written_again(references, llama_dir, calib_file, tmp_path,
                                                               monkeypatch):  # fmt: skip
-    """A finished shard whose bytes changed is written again, with every shard after it; a record cut by
-    the kill (the log's last line without its end) counts as not written."""
+    """A finished shard whose bytes changed is written again (only it: each shard's bytes stand alone); a
+    record cut by the kill (the log's last line without its end) counts as not written, and is dropped
+    from the log so that the next records are not appended to it."""
     out = tmp_path / "q"
     _interrupt(monkeypatch, "after-shard-4", llama_dir, out, "fp8-dynamic", calib_file)
     work = work_dir_of(out)
@@ -314,5 +315,19 @@ def test_a_changed_shard_and_a_cut_log_line_are_written_again(references, llama_
     with pytest.warns(UserWarning, match="missing or changed; it is written again"):
         report = quantize_checkpoint(llama_dir, out, "fp8-dynamic", progress=False, resume=True,
                                      **CASES["fp8-dynamic"])  # fmt: skip
-    assert any(n.startswith("resumed: 2 of ") for n in report.notes)
+    assert any(n.startswith("resumed: 4 of ") for n in report.notes)
     assert _files(out) == _files(references["fp8-dynamic"])
+
+
+def test_a_cut_log_line_is_dropped_before_new_records_follow(llama_dir, calib_file, tmp_path, monkeypatch):
+    """Killed twice: the records the second run appends after a line the first kill cut are read back."""
+    out = tmp_path / "q"
+    _interrupt(monkeypatch, "after-shard-1", llama_dir, out, "fp8-dynamic", calib_file)
+    work = work_dir_of(out)
+    with open(work / SHARDS_LOG, "a") as f:
+        f.write('{"index":2,"name":"model-00003-of')  # a record cut by the kill
+    with monkeypatch.context() as mp:
+        KILLS["after-shard-4"](mp)
+        with pytest.raises(SimulatedKill):
+            _quantize(llama_dir, out, "fp8-dynamic", calib_file, resume=True)
+    assert [r["index"] for r in PartialRun(work, {}).shards] == [0, 1, 2, 3, 4]

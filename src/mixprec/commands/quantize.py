@@ -1,4 +1,5 @@
-"""`mixprec quantize`: offline quantization of a local Hugging Face checkpoint to FP8, NVFP4 or MX (thin CLI)."""
+"""`mixprec quantize`: offline quantization of a local Hugging Face checkpoint to FP8, NVFP4 or MX (thin CLI).
+Under torchrun the work is split across the ranks (producers/quantize_ranks.py); rank 0 prints."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import statistics
 
+from mixprec.commands import torchrun
 from mixprec.commands.algorithm_args import add_algorithm_arguments, algorithm_spec
 from mixprec.commands.quantize_dry_run import run_dry_run
 from mixprec.errors import MixprecError
@@ -17,11 +19,13 @@ from mixprec.inference.checkpoint.layout import LAYOUTS
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
 from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.schemes import SCHEMES, InferenceScheme
+from mixprec.ranks import launched_rank, launched_world_size
 from mixprec.sensitivity.auto_report import write_auto_report
 from mixprec.sensitivity.automatic import auto_quantize_checkpoint
 from mixprec.sensitivity.scores import METHODS
 
 NAME = "quantize"
+TORCHRUN = True  # splits its work across the ranks under torchrun (mixprec.cli lets it through)
 AUTO_CALIB_SAMPLES = 16  # sequences the scores are computed on (one forward + backward per 4)
 HELP = (
     "quantize a local Hugging Face safetensors checkpoint to FP8, NVFP4 or MXFP4/MXFP8 "
@@ -234,39 +238,32 @@ def run_auto(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")
-    if args.dry_run:
-        return run_dry_run(args)
-    if args.scheme.strip().lower() == "auto":
+    auto = args.scheme.strip().lower() == "auto"
+    if launched_world_size() > 1 and auto:
+        raise MixprecError("--scheme auto runs in one process: start it without torchrun")
+    if args.dry_run:  # a plan from the headers: rank 0 prints it, the other ranks have nothing to do
+        return run_dry_run(args) if launched_rank() == 0 else 0
+    if auto:
         if args.resume:
             raise MixprecError("--resume continues one scheme's quantization; --scheme auto does not resume")
         return run_auto(args)
     if args.budget is not None or args.target_ppl_increase is not None:
         raise MixprecError("--budget and --target-ppl-increase are for --scheme auto")
     algorithm = algorithm_spec(args)
-    report = quantize_checkpoint(
-        args.model,
-        args.output,
-        args.scheme,
-        ignore=args.ignore,
-        default_ignore=not args.no_default_ignore,
-        calib_data=args.calib_data,
-        calib_samples=512 if args.calib_samples is None else args.calib_samples,
-        calib_seq_len=args.calib_seq_len,
-        observer=args.observer,
-        calib_stop=StopRule(args.calib_tolerance, args.calib_window, args.calib_min_tokens),
-        format=args.format,
-        kv_cache=args.kv_cache,
-        force=args.force,
-        max_shard_size=args.max_shard_size,
-        layer_by_layer=args.layer_by_layer,
-        progress=not args.quiet and not args.json,
-        strict=args.strict,
-        algorithm=algorithm,
-        resume=args.resume,
-    )
+    with torchrun.session():
+        report = quantize_checkpoint(
+            args.model, args.output, args.scheme, ignore=args.ignore, default_ignore=not args.no_default_ignore,
+            calib_data=args.calib_data, calib_samples=512 if args.calib_samples is None else args.calib_samples,
+            calib_seq_len=args.calib_seq_len, observer=args.observer,
+            calib_stop=StopRule(args.calib_tolerance, args.calib_window, args.calib_min_tokens),
+            format=args.format, kv_cache=args.kv_cache, force=args.force, max_shard_size=args.max_shard_size,
+            layer_by_layer=args.layer_by_layer, progress=not args.quiet and not args.json and launched_rank() == 0,
+            strict=args.strict, algorithm=algorithm, resume=args.resume,
+        )  # fmt: skip
+    if launched_rank() != 0:  # rank 0 prints (the process group is gone by now)
+        return 0
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0

@@ -4,7 +4,7 @@ publish sequence every producer (quantize, save, convert) runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,8 +52,9 @@ def publish(
     side_files: Callable[[Path], T] | None = None,
     scales: Callable[[], dict[str, Any]] | None = None,
     into: Path | None = None,
-    start_shard: int = 0,
+    skip_shards: Collection[int] = (),
     on_shard: Callable[[int, Path], None] | None = None,
+    finish: bool = True,
 ) -> T | None:
     """Write a checkpoint to `out` the one way every producer does, atomically (mixprec.files: a
     temporary directory renamed into place once complete, nothing left behind on error):
@@ -66,20 +67,23 @@ def publish(
       scales    the scales file (model.fp8_scales.json), `scales()`, when given
 
     A resumable producer passes `into`: the directory to write (it publishes that directory itself,
-    files.resumable_output_dir), `start_shard` (the shards before it are already there) and `on_shard`
-    (told of each shard file once it is complete).
+    files.resumable_output_dir), `skip_shards` (the shards already there, or written by other ranks)
+    and `on_shard` (told of each shard file once it is complete). finish=False: write the shards only
+    (a rank other than 0 of a quantize split across ranks; rank 0 writes the rest).
 
     Returns what `side_files` returned (None without it)."""
     place = atomic_output_dir(out, force) if into is None else nullcontext(into)
     with place as tmp:
         writer = PlannedShardWriter(tmp, plan_shards(planned, max_shard_size), {"producer": producer},
-                                    start_shard=start_shard, on_shard=on_shard)  # fmt: skip
+                                    skip_shards=skip_shards, on_shard=on_shard)  # fmt: skip
         try:
             write_tensors(writer)
             weight_map = writer.close()
         except BaseException:
             writer.abort()
             raise
+        if not finish:
+            return None
         write_index(tmp, weight_map, sum(p.nbytes for p in planned))
         write_json_atomic(tmp / "config.json", config())
         side = side_files(tmp) if side_files is not None else None

@@ -19,7 +19,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -335,21 +335,23 @@ class PlannedShardWriter:
 
     Tensors must be given in plan order. Each is checked against its plan (name, dtype, shape).
     Once a shard file is complete and closed, `on_shard(index, path)` is called (a resumable producer
-    records it). `start_shard`: the shards before it are already on disk (a resumed run): writing starts
-    with that shard's first tensor, and tensors planned in the earlier shards are accepted and dropped.
+    records it). `skip_shards`: the shards this writer does not write (a resumed run's finished ones,
+    or the shards other ranks write): tensors planned in them are accepted and dropped.
     """
 
     def __init__(
         self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None,
-        *, start_shard: int = 0, on_shard: Callable[[int, Path], None] | None = None,
+        *, skip_shards: Collection[int] = (), on_shard: Callable[[int, Path], None] | None = None,
     ):  # fmt: skip
         self.out_dir = out_dir
         self.shards = shards
         self.names = shard_names(len(shards))
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._order = [(i, t) for i, shard in enumerate(shards) for t in shard]
-        self._pos = sum(len(s) for s in shards[:start_shard])
-        self._dropped = {t.name for _, t in self._order[: self._pos]}
+        skip = set(skip_shards)
+        self._planned = [(i, t) for i, shard in enumerate(shards) for t in shard]
+        self._order = [(i, t) for i, t in self._planned if i not in skip]
+        self._pos = 0
+        self._dropped = {t.name for i, t in self._planned if i in skip}
         self._on_shard = on_shard
         self._file = None
         self._shard = -1
@@ -417,7 +419,7 @@ class PlannedShardWriter:
             raise RuntimeError(f"output incomplete: tensor {missing!r} was never written")
         if self._file is not None:
             self._finish_shard()
-        return {t.name: self.names[i] for i, t in self._order}
+        return {t.name: self.names[i] for i, t in self._planned}
 
     def abort(self) -> None:
         if self._file is not None:

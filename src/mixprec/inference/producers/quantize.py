@@ -52,7 +52,13 @@ from mixprec.inference.producers.quantize_blocks import nvfp4_groups
 from mixprec.inference.producers.quantize_calibration import Calibration, calibrate_job
 from mixprec.inference.producers.quantize_folds import folded
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, resolve
-from mixprec.inference.producers.quantize_stream import StreamPlan, stream_tensors
+from mixprec.inference.producers.quantize_ranks import (
+    from_main,
+    merged_entries,
+    own_shards,
+    wait_for_all_ranks,
+)
+from mixprec.inference.producers.quantize_stream import StreamPlan, record_layers, stream_tensors
 from mixprec.inference.producers.resume import PartialRun, ReportMark, ShardMap, partial_run
 from mixprec.inference.schemes import (
     InferenceScheme,
@@ -60,6 +66,7 @@ from mixprec.inference.schemes import (
     skip_reason,
     transformers_dequantize_reason,
 )
+from mixprec.ranks import is_main_process, rank, world_size
 from mixprec.scaling import compute_scale
 from mixprec.select import selects_any
 
@@ -141,7 +148,7 @@ def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: C
         return cached
     mark = ReportMark.of(report)
     calibration = calibrate_job(job, source, selection, report)
-    if job.calibrates:
+    if job.calibrates and is_main_process():  # the manifest is rank 0's
         run.save_calibration(calibration, report, mark)
     return calibration
 
@@ -233,17 +240,31 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
     shards = ShardMap(plan_shards(plan.tensors, job.max_shard_bytes), selection, job.format)
-    start = run.start_shard_of(shards, report)
-    if start:
-        report.notes.append(f"resumed: {start} of {len(shards.names)} shards kept from the partial run")
+    finished = from_main(run.finished_shards(shards, report) if is_main_process() else None)
+    if finished:
+        report.notes.append(
+            f"resumed: {len(finished)} of {len(shards.names)} shards kept from the partial run"
+        )
+    mine = own_shards(shards.shards, finished)
+    skip = frozenset(range(len(shards.names))) - mine
+    if world_size() > 1:
+        report.notes.append(f"split across {world_size()} processes (torchrun): rank {rank()} wrote "
+                            f"{len(mine)} of the {len(shards.names) - len(finished)} shards written")  # fmt: skip
+    done = shards.done_inputs(ckpt, finished, run.layers)
     stream = StreamPlan(selection.targets, schemes, job.format, calibration.input_amax,
                         *nvfp4_groups(ckpt, selection.targets, schemes), calibration.prequantized,
-                        job.algorithm.uses_scale_search, shards.done_inputs(ckpt, start, run.layers))  # fmt: skip
+                        job.algorithm.uses_scale_search, done,
+                        frozenset(shards.inputs_within(ckpt, skip)) - done.keys())  # fmt: skip
 
     def write_tensors(writer: PlannedShardWriter) -> None:
         stream_tensors(ckpt, writer, stream, layers, report, job.progress)
         for n, t in plan.kv_tensors.items():
             writer.write(n, t)
+        merged = merged_entries(layers)  # every rank's Linears (a run split across ranks) ...
+        in_order = (n[: -len(".weight")] for n in ckpt.tensors if n.endswith(".weight"))
+        layers.clear()
+        layers.update({m: merged[m] for m in in_order if m in merged})  # ... in the input's order
+        record_layers(ckpt, stream, layers, report)
 
     def scales() -> dict[str, Any]:
         return build_document(
@@ -258,8 +279,10 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
         producer=f"mixprec {__version__}", write_tensors=write_tensors,
         config=lambda: output_config(job, source.config, selection),
         side_files=lambda tmp: _side_files(job, tmp, report), scales=scales, into=run.output,
-        start_shard=start, on_shard=run.recorder(shards, layers),
+        skip_shards=skip, on_shard=run.recorder(shards, layers), finish=is_main_process(),
     )  # fmt: skip
+    run.wait()  # this rank's finished shards are in the log
+    wait_for_all_ranks()  # ... and every rank's shards are written before rank 0 publishes
     report.weight_bytes_after = sum(t.nbytes for t in plan.tensors)
     for name, (kind, why) in selection.kept.items():
         info = ckpt.tensors.get(name) or ckpt.tensors.get(f"{name}.weight")
@@ -268,7 +291,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
             kind, "embedding" if name in selection.lw.embeddings else "other"
         )
         report.add_skipped(name, kind, numel, why, role=role)
-    report.notes.append(f"copied {', '.join(copied) or 'no side files'}")
+    report.notes.append(f"copied {', '.join(copied or []) or 'no side files'}")
     return report
 
 

@@ -29,7 +29,9 @@ from mixprec.inference.algorithms.spec import FOLDS, ROTATE, SMOOTHQUANT
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
+from mixprec.inference.producers.quantize_ranks import from_main
 from mixprec.inference.producers.resume import PartialRun
+from mixprec.ranks import is_main_process
 
 
 @contextmanager
@@ -52,11 +54,15 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
     try:
         record = run.folds_record() if run is not None else None
         if record is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            record = _fold_into(job, source, selection_of(job, source), folds, tmp)
-            if run is not None:
-                run.save_folds(record)
+            # split across ranks (quantize_ranks.py) rank 0 folds into the shared work directory and
+            # the others read its result
+            if is_main_process():
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                record = _fold_into(job, source, selection_of(job, source), folds, tmp)
+                if run is not None:
+                    run.save_folds(record)
+            record = from_main(record)
         report.algorithm = {**job.algorithm.to_dict(), "folds": record}
         report.notes.append(f"folded ({', '.join(folds)}) before calibration; the folded model was written "
                             "to a temporary directory and read from there")  # fmt: skip

@@ -63,6 +63,12 @@ class StreamPlan:
     # input tensors whose outputs a resumed run already holds (producers/resume.py): not read again;
     # a Linear's weight maps to its recorded scales-file entry, any other tensor to None
     done: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    # input tensors whose outputs other ranks write (a run split across ranks): not read, not recorded
+    elsewhere: frozenset[str] = frozenset()
+
+    def reads(self, name: str) -> bool:
+        """Whether this process reads the input tensor `name`."""
+        return name not in self.done and name not in self.elsewhere
 
 
 def stream_tensors(
@@ -73,8 +79,9 @@ def stream_tensors(
     report: ConversionReport,
     progress: bool,
 ) -> None:
-    """Every input tensor to the writer, in plan order; each quantized Linear's scales-file entry into
-    `layers` and the report."""
+    """Every input tensor to the writer, in plan order; the scales-file entry of each quantized Linear
+    this process holds (quantized, or recorded by a resumed run) into `layers` (record_layers puts
+    them into the report)."""
     workers = stream_workers()
     weight_bytes = max((ckpt.tensors[f"{m}.weight"].nbytes for m in plan.targets), default=0)
     payload_elems = max((o * i for o, i in plan.targets.values()), default=0)
@@ -97,7 +104,7 @@ def stream_tensors(
                 info, module, fut = queue.pending.popleft()
                 if fut is _DONE:
                     if module is not None:
-                        _record(module, plan.done[info.name], info, plan, layers, report)
+                        layers[module] = plan.done[info.name]
                 elif fut is None:
                     _copy_through(reader, writer, info, chunk)
                 else:
@@ -107,7 +114,7 @@ def stream_tensors(
                         writer.write(name, tensor)
                     if payload is not None:
                         queue.out_pool.release(payload)
-                    _record(module, entry, info, plan, layers, report)
+                    layers[module] = entry
                     queue.fill(depth=workers + 1)
                 report.weight_bytes_before += info.nbytes
                 advance()
@@ -122,12 +129,15 @@ def stream_tensors(
 _DONE = object()  # in place of a task: the tensor's outputs are already written (a resumed run)
 
 
-def _record(module: str, entry: dict[str, Any], info, plan: StreamPlan, layers: dict[str, dict[str, Any]],
-            report: ConversionReport) -> None:  # fmt: skip
-    """A quantized Linear's scales-file entry into `layers` and the report."""
-    layers[module] = entry
-    family = plan.schemes[module].family
-    report.add_quantized_linear(module, "Linear", info.nbytes // info.dtype.itemsize, entry, family, family)
+def record_layers(ckpt: Checkpoint, plan: StreamPlan, layers: dict[str, dict[str, Any]],
+                  report: ConversionReport) -> None:  # fmt: skip
+    """Every quantized Linear's entry of `layers` into the report, in the input's order."""
+    for n, info in ckpt.tensors.items():
+        module = n[: -len(".weight")] if n.endswith(".weight") else None
+        if module in plan.targets and module in layers:
+            family = plan.schemes[module].family
+            numel = info.nbytes // info.dtype.itemsize
+            report.add_quantized_linear(module, "Linear", numel, layers[module], family, family)
 
 
 class _TaskQueue:
@@ -150,6 +160,9 @@ class _TaskQueue:
         p = self.plan
         for n, info in self.todo:
             module = n[: -len(".weight")] if n.endswith(".weight") else None
+            if n in p.elsewhere:
+                self.pending.append((info, None, _DONE))
+                continue
             if n in p.done:
                 self.pending.append((info, module if module in p.targets else None, _DONE))
                 continue
@@ -182,8 +195,8 @@ class _TaskQueue:
                     p.input_amax.get(module), self.in_pool, self.out_pool, p.scale_search,
                 )  # fmt: skip
             self.pending.append((info, module, fut))
-            # the members this run writes (a resumed run may hold the first ones already)
-            self.in_flight += sum(f"{m}.weight" not in p.done for m in group) if group is not None else 1
+            # the members this process writes (a resumed run may hold the first ones already)
+            self.in_flight += sum(p.reads(f"{m}.weight") for m in group) if group is not None else 1
             return True
         return False
 
@@ -300,4 +313,4 @@ def _fp8_outputs(q: QuantizedTensor, stats: QuantizationStats, module: str, shap
     return out, entry
 
 
-__all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "stream_tensors", "stream_workers"]
+__all__ = ["COPY_CHUNK_BYTES", "StreamPlan", "record_layers", "stream_tensors", "stream_workers"]

@@ -37,7 +37,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +62,8 @@ from mixprec.inference.checkpoint.safetensors_io import (
 )
 from mixprec.inference.producers.quantize_calibration import Calibration
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source
+from mixprec.inference.producers.quantize_ranks import wait_for_all_ranks
+from mixprec.ranks import is_main_process
 from mixprec.scaling import Granularity, QuantizedTensor
 
 SCHEMA_VERSION = 1
@@ -244,8 +246,13 @@ class PartialRun:
         """One line appended to the shard log (a line cut by a kill is ignored when read)."""
         shard = FinishedShard(index, path.name, path.stat().st_size, _sha256(path))
         rec = {**dataclasses.asdict(shard), "layers": layers}
-        with open(self.work / SHARDS_LOG, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+        # one write() in append mode: the ranks of a split run append to one log, line by whole line
+        fd = os.open(self.work / SHARDS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
         self.shards.append(rec)
 
     def wait(self) -> None:
@@ -266,23 +273,28 @@ class PartialRun:
         """The scales-file entries of the Linears the finished shards hold."""
         return {m: e for rec in self.shards for m, e in rec["layers"].items()}
 
-    def start_shard_of(self, shards: ShardMap, report: ConversionReport) -> int:
-        """The first shard to write: the finished shards are kept while each is the one planned there and
-        its file has the recorded size and sha256; from the first that is not, shards are written again."""
-        kept = []
-        for i, rec in enumerate(self.shards):
-            path = self.output / rec["name"]
-            if i >= len(shards.names) or rec["index"] != i or rec["name"] != shards.names[i]:
-                break
+    def finished_shards(self, shards: ShardMap, report: ConversionReport) -> frozenset[int]:
+        """The shards kept from the partial run: each recorded shard that is still the one planned at its
+        index and whose file has the recorded size and sha256. Records may come in any order (the ranks
+        of a run split across processes finish theirs independently); a shard that fails is written again."""
+        kept: dict[int, dict[str, Any]] = {}
+        for rec in self.shards:
+            i, path = rec["index"], self.output / rec["name"]
+            if i >= len(shards.names) or rec["name"] != shards.names[i]:
+                continue
             if not path.is_file() or path.stat().st_size != rec["nbytes"] or _sha256(path) != rec["sha256"]:
                 report.warn(f"--resume: finished shard {path} is missing or changed; it is written again")
-                break
-            kept.append(rec)
-        if len(kept) < len(self.shards):
-            self.shards = kept
-            text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept)
-            write_text_atomic(self.work / SHARDS_LOG, text)
-        return len(kept)
+                kept.pop(i, None)
+                continue
+            kept[i] = rec
+        self.shards = [kept[i] for i in sorted(kept)]
+        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.shards)
+        log = self.work / SHARDS_LOG
+        # rewritten when anything was dropped, a line cut by the kill included: lines appended after a
+        # cut one would join it, and be lost to the next resume
+        if (log.read_text(encoding="utf-8") if log.is_file() else "") != text:
+            write_text_atomic(log, text)
+        return frozenset(kept)
 
 
 def _read_shard_log(path: Path) -> list[dict[str, Any]]:
@@ -393,7 +405,13 @@ def _lock(work: Path) -> int | None:
 @contextmanager
 def partial_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
     """The run's work directory (continued with --resume, made otherwise); published onto the output
-    when the body completes, kept on an interruption once it holds finished work (module docstring)."""
+    when the body completes, kept on an interruption once it holds finished work (module docstring).
+    In a run split across ranks (producers/quantize_ranks.py) rank 0 does all of that; the other ranks
+    join the work directory once it is ready, and only append their finished shards to its log."""
+    if not is_main_process():
+        with _joined_run(job, source) as run:
+            yield run
+        return
     work = work_dir_of(job.output_dir)
     fd = _lock(work) if work.is_dir() else None
     try:
@@ -412,6 +430,7 @@ def partial_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
             os.makedirs(run.output, exist_ok=True)
             if not (work / MANIFEST).is_file():
                 run._save()
+            wait_for_all_ranks()  # the work directory is ready for the other ranks
             try:
                 yield run
             finally:  # on an interruption too: a shard written in full is recorded
@@ -421,11 +440,24 @@ def partial_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
             os.close(fd)
 
 
+@contextmanager
+def _joined_run(job: QuantizeJob, source: Source) -> Iterator[PartialRun]:
+    """A rank other than 0: the work directory rank 0 made ready, its manifest read (and checked)."""
+    wait_for_all_ranks()
+    work = work_dir_of(job.output_dir)
+    run = PartialRun(work, _read_manifest(work, job_identity(job, source)))
+    try:
+        yield run
+    finally:
+        run.close()
+
+
 class ShardMap:
     """The output's shards as planned, and which input tensors and Linears each one completes."""
 
     def __init__(self, shards: list[list[PlannedTensor]], selection: Selection, layout: str):
         self.shards = shards
+        self.layout = layout
         self.names = shard_names(len(shards))
         shard_of = {t.name: i for i, shard in enumerate(shards) for t in shard}
         self.selection = selection
@@ -445,18 +477,30 @@ class ShardMap:
         """The entries of `layers` of the Linears whose last tensor lies in shard `index`."""
         return {m: layers[m] for m in self.completed_by.get(index, ()) if m in layers}
 
-    def done_inputs(self, ckpt: Checkpoint, start: int, layers: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any] | None]:  # fmt: skip
+    def done_inputs(self, ckpt: Checkpoint, skip: Collection[int], layers: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any] | None]:  # fmt: skip
         """{input tensor: its Linear's recorded scales-file entry, or None for a tensor written unchanged}
-        of the input tensors whose outputs all lie in the shards before `start` (finished)."""
-        out: dict[str, dict[str, Any] | None] = {}
+        of the input tensors whose outputs all lie in finished shards (`skip`, whose Linears `layers`
+        records)."""
+        return {n: layers.get(self._module(n)) for n in self.inputs_within(ckpt, skip)
+                if self._module(n) not in self.selection.targets or self._module(n) in layers}  # fmt: skip
+
+    def inputs_within(self, ckpt: Checkpoint, shards: Collection[int]) -> list[str]:
+        """The input tensors whose outputs all lie in `shards`."""
+        out = []
         for n in ckpt.tensors:
-            module = n[: -len(".weight")] if n.endswith(".weight") else None
+            module = self._module(n)
             if module in self.selection.targets:
-                if self.last_shard[module] < start and module in layers:
-                    out[n] = layers[module]
-            elif self.shard_of.get(n, len(self.shards)) < start:
-                out[n] = None
+                planned = planned_tensors(module, self.selection.targets[module], self.selection.schemes[module],
+                                          self.layout)  # fmt: skip
+                if all(self.shard_of[p] in shards for p, _, _ in planned):
+                    out.append(n)
+            elif n in self.shard_of and self.shard_of[n] in shards:
+                out.append(n)
         return out
+
+    @staticmethod
+    def _module(name: str) -> str | None:
+        return name[: -len(".weight")] if name.endswith(".weight") else None
 
 
 __all__ = ["MANIFEST", "PartialRun", "ReportMark", "ShardMap", "job_identity", "partial_run", "work_dir_of"]
