@@ -28,11 +28,18 @@ from torch import nn
 from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize
 from mixprec.inference.algorithms.scale_search import search_global_scale
 from mixprec.inference.algorithms.spec import AlgorithmSpec, GptqParams
+from mixprec.inference.calibration.across_ranks import (
+    broadcast_object,
+    broadcast_tensor,
+    sum_across_ranks,
+    sum_in_place,
+)
 from mixprec.inference.calibration.layerwise import Captured
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
 from mixprec.inference.checkpoint.spill import SpilledResults
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.quantization import QuantizationStats, quantize
+from mixprec.ranks import rank, world_size
 from mixprec.scaling import QuantizedTensor, compute_scale
 from mixprec.select import fused_shards
 
@@ -48,10 +55,15 @@ def input_groups(names: list[str]) -> list[tuple[str, ...]]:
 class GptqPass:
     """The BlockPass that GPTQ-rounds every Linear of `schemes` ({name: scheme}); `results` holds
     each one's QuantizedTensor (what the writer stores), `layers` its record, `warnings` what the
-    caller should say (too few tokens for a Hessian)."""
+    caller should say (too few tokens for a Hessian).
+
+    across_ranks: every rank of the process group runs the walk on its share of the batches; each
+    block's Hessians are then SUM-reduced (with their token counts), so every rank holds the Hessians of
+    all the batches, and each group is solved on one rank and its results broadcast (_solve_block)."""
 
     def __init__(self, schemes: Mapping[str, InferenceScheme], params: GptqParams, weight_dtype: torch.dtype,
-                 search: bool = False, results: SpilledResults | None = None):  # fmt: skip
+                 search: bool = False, results: SpilledResults | None = None,
+                 across_ranks: bool = False):  # fmt: skip
         self.schemes = dict(schemes)
         self.search = search  # group scales from the scale search (scale_search.py)
         self.params = params
@@ -62,6 +74,7 @@ class GptqPass:
         self.layers: dict[str, dict[str, Any]] = {}
         self.short: list[tuple[str, int, int]] = []  # (Linear, tokens, inputs) with tokens < inputs
         self._hessians: dict[tuple[str, ...], HessianAccumulator] = {}
+        self.across_ranks = across_ranks
 
     @property
     def needs_outputs(self) -> bool:
@@ -87,13 +100,9 @@ class GptqPass:
     def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
               rerun: Callable[[nn.Module, Captured], Captured]) -> Captured:  # fmt: skip
         modules = {f"{own}{n}": m for n, m in block.named_modules() if n}
-        for group in list(self._hessians):
-            acc = self._hessians.pop(group)  # each Hessian freed once its group is rounded
-            hessian = acc.finish()
-            if acc.rows < acc.in_features:
-                self.short.append((group[0], acc.rows, acc.in_features))
-            self._round_group(group, hessian, acc.rows, modules)
-            del acc, hessian
+        if self.across_ranks:
+            self._reduce_hessians()
+        self._solve_block(modules)
         if isinstance(self.results, SpilledResults):
             self.results.flush()
         return rerun(block, captured) if self.params.sequential else outputs
@@ -129,8 +138,45 @@ class GptqPass:
                        f"{missed[0]!r}): they are rounded to nearest")  # fmt: skip
         return out
 
+    def _reduce_hessians(self) -> None:
+        """SUM every Hessian of the block (and its row count) over the ranks, in the pass's group order
+        (the same on every rank): one collective for the counts, one per Hessian, in place."""
+        groups = list(self._hessians)
+        rows = sum_across_ranks([self._hessians[g].rows for g in groups])
+        for g, n in zip(groups, rows):
+            sum_in_place(self._hessians[g].sum)
+            self._hessians[g].rows = n
+
+    def _solve_block(self, modules: dict[str, nn.Module]) -> None:
+        """Round every group of the block. Across ranks, group j is solved by rank j % world and its
+        rounded weights and records broadcast from there, rather than solved on every rank: the rounded
+        weights are then identical on every rank even where the ranks' CPUs round the solve's fp32
+        differently (each rank writes some of them, and with sequential propagation each reruns the
+        block with them), and the solves, the walk's costly part, are split across the ranks; the price
+        is sending the rounded weights (about a byte per weight). With one process: the plain loop."""
+        groups = list(self._hessians)
+        world = world_size() if self.across_ranks else 1
+        solved: dict[str, tuple[QuantizedTensor, dict[str, Any]]] = {}
+        for j, group in enumerate(groups):
+            acc = self._hessians.pop(group)  # each Hessian freed once its group is rounded (or not ours)
+            if acc.rows < acc.in_features:  # the reduced count: the same on every rank
+                self.short.append((group[0], acc.rows, acc.in_features))
+            if j % world == rank() % world:
+                solved.update(self._round_group(group, acc.finish(), acc.rows, modules))
+            del acc
+        for j, group in enumerate(groups):  # in group order on every rank: the records' order too
+            for m in group:
+                q, layer = solved.pop(m) if m in solved else (None, None)
+                if world > 1:
+                    q, layer = _broadcast_result(q, layer, src=j % world)
+                self.results[m], self.layers[m] = q, layer
+                if self.params.sequential:
+                    modules[m].weight.data = q.dequantize(modules[m].weight.dtype)
+
     def _round_group(self, group: tuple[str, ...], hessian: torch.Tensor, rows: int,
-                     modules: dict[str, nn.Module]) -> None:  # fmt: skip
+                     modules: dict[str, nn.Module]) -> dict[str, tuple[QuantizedTensor, dict[str, Any]]]:  # fmt: skip
+        """{Linear: (its rounded weight, its record)} of one input group (weights not yet replaced)."""
+        out = {}
         weights = {m: modules[m].weight for m in group}
         amax = {m: float(w.detach().abs().amax()) for m, w in weights.items()}
         shared = shared_scales(group, amax, self.schemes, self.weight_dtype)
@@ -153,15 +199,13 @@ class GptqPass:
             rtn = quantize(
                 w.detach().float(), sch.fmt, sch.weight_granularity, scale=scale, global_scale=global_scale
             )
-            self.results[m] = q
-            self.layers[m] = {
+            out[m] = q, {
                 "output_error_rtn": _output_error(w, rtn.dequantize(), hessian),
                 "output_error": _output_error(w, q.dequantize(), hessian),
                 "seconds": round(seconds, 3), "damp": result.damp, "clipped": result.clipped,
                 "dead_inputs": result.dead_columns, "tokens": rows,
             }  # fmt: skip
-            if self.params.sequential:
-                w.data = q.dequantize(w.dtype)
+        return out
 
 
 PROPAGATION = {
@@ -184,6 +228,20 @@ def shared_scales(group: tuple[str, ...], amax: dict[str, float], schemes: Mappi
         for m in per_tensor:
             out[m] = (compute_scale(top, schemes[m].fmt).reshape(1, 1), None)
     return out
+
+
+def _broadcast_result(q: QuantizedTensor | None, layer: dict[str, Any] | None,
+                      src: int) -> tuple[QuantizedTensor, dict[str, Any]]:  # fmt: skip
+    """(rounded weight, record) of rank `src` on every rank: the record and the tensors' shapes and dtypes
+    as one object, then the payload, scales and global scale as their bytes (bit-identical)."""
+    parts = None if q is None else (q.data, q.scale, q.global_scale)
+    meta = None if q is None else ([None if t is None else (t.shape, t.dtype) for t in parts], q.fmt,
+                                   q.granularity, q.shape, layer)  # fmt: skip
+    specs, fmt, granularity, shape, layer = broadcast_object(meta, src)
+    if parts is None:
+        parts = tuple(None if s is None else torch.empty(s[0], dtype=s[1]) for s in specs)
+    data, scale, global_scale = (None if t is None else broadcast_tensor(t, src) for t in parts)
+    return QuantizedTensor(data, scale, fmt, granularity, shape, global_scale), layer
 
 
 def rounding_stats(weight: torch.Tensor, rounded: QuantizedTensor) -> QuantizationStats:

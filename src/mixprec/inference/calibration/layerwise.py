@@ -44,6 +44,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
+from mixprec.inference.calibration.across_ranks import max_across_ranks, sum_across_ranks
 from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
 from mixprec.inference.calibration.outside import OutsideLoader, check_captured, load_into
 from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
@@ -91,10 +92,14 @@ def calibrate_layerwise(
     kv_cache: bool = False,
     progress: Any = None,
     block_pass: BlockPass | None = None,
+    across_ranks: bool = False,
 ) -> tuple[CalibrationResult, nn.Module]:
     """The results `calibrate` gives on the whole model with every batch run (no early stop: the
     stop rule needs every layer's amax after each batch, and here block i sees batch k long after
-    block 0 did); returns (the result, the skeleton). block_pass: more work inside each block."""
+    block 0 did); returns (the result, the skeleton). block_pass: more work inside each block.
+    across_ranks: `batches` are this rank's share (across_ranks.share) and every rank of the process
+    group calls this; the amaxes are MAX-reduced and the run's counts summed, so every rank gets the
+    result of one process running all the batches (the pass reduces its own statistics)."""
     model, prefix, blocks = _skeleton(model_dir, config, ckpt, linear_names)
     with ShardReader() as reader:
         outside = OutsideLoader(model, ckpt, reader, prefix, batches)
@@ -105,7 +110,7 @@ def calibrate_layerwise(
 
         result = _walk(model, prefix, blocks, batches, linear_names, observer=observer, kv_cache=kv_cache,
                        progress=progress, block_pass=block_pass, load=load, drop=lambda b: b.to("meta"),
-                       outside=outside)  # fmt: skip
+                       outside=outside, across_ranks=across_ranks)  # fmt: skip
     return result, model
 
 
@@ -140,7 +145,7 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
           linear_names: Sequence[str], *, observer: str, kv_cache: bool, progress: Any,
           block_pass: BlockPass | None, load: Callable[[int], None] | None = None,
           drop: Callable[[nn.Module], Any] | None = None,
-          outside: OutsideLoader | None = None) -> CalibrationResult:  # fmt: skip
+          outside: OutsideLoader | None = None, across_ranks: bool = False) -> CalibrationResult:  # fmt: skip
     """Capture the first block's inputs, then per block: load it, run it with the observers' (and
     the pass's) hooks on, let the pass work on it, drop it; the outputs feed the next block.
     outside: what loads the parts outside the blocks during the capture (calibrate_layerwise)."""
@@ -190,21 +195,48 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
     finally:
         if undo is not None:
             undo()
-    return _result(observers, kv_obs, batches, started)
-
-
-def _result(observers: dict[str, Observer], kv_obs: dict[int, tuple[Observer, Observer]],
-            batches: Sequence[torch.Tensor], started: float) -> CalibrationResult:  # fmt: skip
+    if across_ranks:
+        return _result(*_reduced(observers, kv_obs, batches, len(blocks)), started)
     amax = {n: o.amax() for n, o in observers.items()}
+    kv = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
+    return _result(amax, kv, _counts(batches), started)
+
+
+def _counts(batches: Sequence[torch.Tensor]) -> tuple[int, int, int]:
+    """(samples, tokens, batches) of a run over `batches`."""
+    return sum(len(b) for b in batches), sum(b.numel() for b in batches), len(batches)
+
+
+def _reduced(observers: dict[str, Observer], kv_obs: dict[int, tuple[Observer, Observer]],
+             batches: Sequence[torch.Tensor], n_layers: int):  # fmt: skip
+    """(amax, kv amax, counts) over every rank's batches: three collectives, every rank calling them
+    (a rank without batches too: its observers hold 0, it has seen no KV state). KV layers appear
+    lazily, so each is sent as a slot of n_layers with -1 for "not seen here" (an amax is >= 0)."""
+    names = list(observers)
+    amax = dict(zip(names, max_across_ranks([observers[n].amax() for n in names])))
+    if any(not 0 <= i < n_layers for i in kv_obs):
+        raise MixprecError(f"KV-cache layer indices {sorted(kv_obs)} do not fit the {n_layers} blocks")
+    slots = [-1.0] * (2 * n_layers)
+    for i, (k, v) in kv_obs.items():
+        slots[2 * i], slots[2 * i + 1] = k.amax(), v.amax()
+    slots = max_across_ranks(slots)
+    kv = {i: (slots[2 * i], slots[2 * i + 1]) for i in range(n_layers) if slots[2 * i] >= 0}
+    counts = tuple(sum_across_ranks(_counts(batches)))
+    return amax, kv, counts
+
+
+def _result(amax: dict[str, float], kv: dict[int, tuple[float, float]], counts: tuple[int, int, int],
+            started: float) -> CalibrationResult:  # fmt: skip
+    """The result, once the amaxes are final (after the reduction across ranks: a rank may have seen
+    nothing of an input that another rank saw)."""
     for n, a in amax.items():
         if a == 0:
             raise MixprecError(
                 f"calibration never saw a nonzero input for {n!r}; is the calibration data empty?"
             )
-    kv = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
-    samples, tokens = sum(len(b) for b in batches), sum(b.numel() for b in batches)
+    samples, tokens, n_batches = counts
     run = CalibrationRun(
-        samples=samples, tokens=tokens, batches=len(batches), samples_available=samples, stopped="cap",
+        samples=samples, tokens=tokens, batches=n_batches, samples_available=samples, stopped="cap",
         reason=f"cap: layer-by-layer calibration runs every available sample ({samples}); it does not stop early",
         clipped=None, max_change=None, seconds=round(time.perf_counter() - started, 3),
     )  # fmt: skip

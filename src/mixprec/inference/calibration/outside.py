@@ -37,7 +37,10 @@ def load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: Shar
 
 
 def token_rows(batches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The distinct token ids of the batches, sorted (int64)."""
+    """The distinct token ids of the batches, sorted (int64); none for no batch (a rank whose share of
+    a run split across ranks is empty still walks the blocks)."""
+    if not batches:
+        return torch.empty(0, dtype=torch.int64)
     return torch.unique(torch.cat([b.reshape(-1) for b in batches]).to(torch.int64), sorted=True)
 
 

@@ -3,6 +3,12 @@ load the model (whole, or one transformer block at a time when it would not fit)
 of the Linears that need a static scale and the KV cache, free the model. With GPTQ the run is always
 block by block: in each block the Hessians accumulate beside the observers, the block's Linears are
 rounded (algorithms/gptq_pass.py) and their results kept for the writer.
+
+Under a process group of several ranks (every rank calls calibrate_job) the run is split: always block
+by block (the walk has no early stop, so the batches run does not depend on how they are split), each
+rank on its share of the batches (across_ranks.share), the amaxes MAX-reduced, the run's counts summed
+and GPTQ's Hessians SUM-reduced; every rank returns the same Calibration, that of one process running
+every batch block by block (docs/quantize.md, "Calibration and GPTQ across processes").
 """
 
 from __future__ import annotations
@@ -19,14 +25,21 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.hf import load_model, load_tokenizer
 from mixprec.inference.algorithms.gptq_pass import GptqPass
+from mixprec.inference.calibration.across_ranks import share
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.calibration.layerwise import calibrate_layerwise
 from mixprec.inference.calibration.run import CalibrationResult, NothingObserved, calibrate
 from mixprec.inference.checkpoint.linear_weights import LinearWeights
 from mixprec.inference.checkpoint.spill import SpilledResults
-from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source
+from mixprec.inference.producers.quantize_job import (
+    QuantizeJob,
+    Selection,
+    Source,
+    check_observer_across_ranks,
+)
 from mixprec.inference.runtime.experts import unfuse_for_calibration
 from mixprec.progress import ProgressBars, progress_bar
+from mixprec.ranks import rank, world_size
 from mixprec.scaling import QuantizedTensor
 
 
@@ -54,13 +67,21 @@ NOT_CALIBRATED = Calibration({}, {}, {}, None)
 def calibrate_job(
     job: QuantizeJob, source: Source, selection: Selection, report: ConversionReport
 ) -> Calibration:
-    """Run the calibration the job needs (NOT_CALIBRATED when it needs none); record it in the report."""
+    """Run the calibration the job needs (NOT_CALIBRATED when it needs none); record it in the report.
+    Under a process group of several ranks: a collective (every rank calls it), split across the ranks,
+    the same result on every rank (the module docstring)."""
     if not job.calibrates:
         return NOT_CALIBRATED
+    check_observer_across_ranks(job.observer)
     batches = token_batches(source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len)
     names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
     layer_by_layer = job.layer_by_layer
-    if layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
+    if world_size() > 1:  # the whole-model run's early stop would need every rank's amax after every batch
+        layer_by_layer = True
+        report.notes.append(
+            f"calibration split across {world_size()} processes: layer by layer, every batch run (no early stop)"
+        )
+    elif layer_by_layer is None:  # decide by memory: the whole model must fit with room to spare
         layer_by_layer = source.ckpt.total_bytes > 0.5 * available_memory()
     gptq = _gptq_pass(job, source, selection)
     try:
@@ -78,10 +99,12 @@ def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: C
     if layer_by_layer or gptq is not None:
         n_blocks = int(source.config.get("num_hidden_layers") or 0)
         title = "GPTQ, block by block" if gptq is not None else "calibrating layer by layer"
-        with progress_bar(job.progress, title, n_blocks or None) as advance:
+        split = world_size() > 1
+        with progress_bar(job.progress and rank() == 0, title, n_blocks or None) as advance:
             result, model = calibrate_layerwise(
-                job.model_dir, source.config, source.ckpt, batches, names, observer=job.observer,
-                kv_cache=job.kv_cache, progress=advance, block_pass=gptq,
+                job.model_dir, source.config, source.ckpt, share(batches) if split else batches, names,
+                observer=job.observer, kv_cache=job.kv_cache, progress=advance, block_pass=gptq,
+                across_ranks=split,
             )  # fmt: skip
         input_amax = result.input_amax
     else:
@@ -115,10 +138,11 @@ def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPa
         )
     dtypes = {source.ckpt.tensors[f"{n}.weight"].dtype for n in selection.targets}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    # each block's rounded weights wait on disk for the writer, beside the output (memory: one block's)
+    # each block's rounded weights wait on disk for the writer, beside the output (memory: one block's);
+    # every rank keeps all of them, in a directory of its own (SpilledResults: a fresh temporary one)
     return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype,
-                    search=job.algorithm.uses_scale_search,
-                    results=SpilledResults(_spill_dir(job)))  # fmt: skip
+                    search=job.algorithm.uses_scale_search, results=SpilledResults(_spill_dir(job)),
+                    across_ranks=world_size() > 1)  # fmt: skip
 
 
 def _spill_dir(job: QuantizeJob):

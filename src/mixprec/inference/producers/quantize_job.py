@@ -22,6 +22,7 @@ from mixprec.inference.checkpoint.publish import parse_size
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, check_output, open_checkpoint
 from mixprec.inference.mixed import MIXED, mixed_assignment
 from mixprec.inference.schemes import InferenceScheme, resolve_ignore
+from mixprec.ranks import world_size
 
 KV_CACHE_WORDS = (None, "fp8", "fp8_e4m3", "e4m3")  # what --kv-cache takes
 
@@ -33,6 +34,17 @@ def read_source_config(model_dir: Path) -> dict[str, Any]:
         raise MixprecError(f"{model_dir / 'config.json'} already has a quantization_config "
                            f"({cfg['quantization_config'].get('quant_method')}): the checkpoint is already quantized")  # fmt: skip
     return cfg
+
+
+def check_observer_across_ranks(observer: str) -> None:
+    """MixprecError, before any work, for an observer whose amax the ranks cannot combine: only a max
+    over batches is the max of the ranks' maxima; a percentile or an MSE-chosen clip of all the inputs
+    is not a function of the ranks' own."""
+    if world_size() > 1 and observer != "max":
+        raise MixprecError(
+            f"--observer {observer} cannot be split across {world_size()} processes (only 'max' combines "
+            "exactly across ranks): use --observer max, or run the command as one process"
+        )
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,7 @@ class QuantizeJob:
                     f"{who} needs --calib-data (a .txt, a folder of .txt, or a .jsonl with 'text')"
                 )
             make_observer(job.observer)  # fail on a bad name before any work
+            check_observer_across_ranks(job.observer)
         return job
 
     @property
@@ -138,4 +151,11 @@ class Selection:
     schemes: dict[str, InferenceScheme]
 
 
-__all__ = ["QuantizeJob", "Selection", "Source", "read_source_config", "resolve"]
+__all__ = [
+    "QuantizeJob",
+    "Selection",
+    "Source",
+    "check_observer_across_ranks",
+    "read_source_config",
+    "resolve",
+]
