@@ -29,6 +29,7 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.algorithms.spec import AlgorithmSpec
+from mixprec.inference.calibration.across_ranks import broadcast_object
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs
 from mixprec.inference.checkpoint.algorithm_file import (
@@ -53,7 +54,6 @@ from mixprec.inference.producers.quantize_calibration import Calibration, calibr
 from mixprec.inference.producers.quantize_folds import folded
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, resolve
 from mixprec.inference.producers.quantize_ranks import (
-    from_main,
     merged_entries,
     own_shards,
     wait_for_all_ranks,
@@ -240,7 +240,7 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
     ckpt, schemes = source.ckpt, selection.schemes
     layers: dict[str, dict[str, Any]] = {}
     shards = ShardMap(plan_shards(plan.tensors, job.max_shard_bytes), selection, job.format)
-    finished = from_main(run.finished_shards(shards, report) if is_main_process() else None)
+    finished = broadcast_object(run.finished_shards(shards, report) if is_main_process() else None, src=0)
     if finished:
         report.notes.append(
             f"resumed: {len(finished)} of {len(shards.names)} shards kept from the partial run"

@@ -26,10 +26,10 @@ from mixprec.inference.algorithms.awq import awq_model_
 from mixprec.inference.algorithms.rotation import rotate_model_
 from mixprec.inference.algorithms.smoothquant import smoothquant_model_
 from mixprec.inference.algorithms.spec import FOLDS, ROTATE, SMOOTHQUANT
+from mixprec.inference.calibration.across_ranks import broadcast_object
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
-from mixprec.inference.producers.quantize_ranks import from_main
 from mixprec.inference.producers.resume import PartialRun
 from mixprec.ranks import is_main_process
 
@@ -62,7 +62,7 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
                 record = _fold_into(job, source, selection_of(job, source), folds, tmp)
                 if run is not None:
                     run.save_folds(record)
-            record = from_main(record)
+            record = broadcast_object(record, src=0)
         report.algorithm = {**job.algorithm.to_dict(), "folds": record}
         report.notes.append(f"folded ({', '.join(folds)}) before calibration; the folded model was written "
                             "to a temporary directory and read from there")  # fmt: skip

@@ -19,14 +19,12 @@ resumes with `--resume` under torchrun or in one process (any split: shards are 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
 from mixprec.inference.checkpoint.safetensors_io import PlannedTensor
 from mixprec.ranks import is_distributed, rank, world_size
-
-T = TypeVar("T")
 
 
 def shard_owners(shards: list[list[PlannedTensor]], todo: Collection[int], world: int) -> dict[int, int]:
@@ -49,15 +47,6 @@ def own_shards(shards: list[list[PlannedTensor]], finished: Collection[int]) -> 
     return frozenset(i for i, r in owners.items() if r == me)
 
 
-def from_main(value: T) -> T:
-    """Rank 0's `value` on every rank (itself in a single process)."""
-    if not is_distributed() or world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def merged_entries(entries: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every rank's scales-file entries ({Linear: entry}) merged, on every rank (a Linear two ranks
     quantized has the same entry on both)."""
@@ -77,4 +66,4 @@ def wait_for_all_ranks() -> None:
         dist.barrier()
 
 
-__all__ = ["from_main", "merged_entries", "own_shards", "shard_owners", "wait_for_all_ranks"]
+__all__ = ["merged_entries", "own_shards", "shard_owners", "wait_for_all_ranks"]
