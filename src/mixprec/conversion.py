@@ -32,7 +32,7 @@ def _levels_to_the_caller() -> int:
     return level
 
 
-SCHEMA_VERSION = 5  # 5: inference reports carry `algorithm` (GPTQ: parameters, data, per-layer output errors); 4: inference reports say the real kind (fp8 / fp4 / mixed) and each layer its own; 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
+SCHEMA_VERSION = 6  # 6: offline inference reports carry `stages` (time and peak RSS of each); 5: inference reports carry `algorithm` (GPTQ: parameters, data, per-layer output errors); 4: inference reports say the real kind (fp8 / fp4 / mixed) and each layer its own; 3: `calibration` says the clipped share its stop rule watches; 2: inference reports carry `calibration`
 # the precision prefixes of a quantized module: the family of its format
 QUANTIZED_KINDS = ("fp8", "fp4")
 
@@ -68,6 +68,7 @@ class ConversionReport:
     output: str | None = None
     calibration: dict[str, Any] | None = None  # what calibration ran and why it stopped (static schemes)
     algorithm: dict[str, Any] | None = None  # what ran beyond round to nearest (--algorithm), per layer
+    stages: list[dict[str, Any]] | None = None  # an offline quantization's stages: time and peak RSS of each
 
     # ---- building (inference) --------------------------------------------------------------------
     def add_quantized_linear(
@@ -166,6 +167,7 @@ class ConversionReport:
                 output=self.output,
                 calibration=self.calibration,
                 algorithm=self.algorithm,
+                stages=self.stages,
             )
         return d
 

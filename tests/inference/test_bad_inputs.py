@@ -273,7 +273,7 @@ def test_dtype_other_than_e4m3_refused(llama_dir, tmp_path, capsys):
 def test_cli_json_report(llama_dir, tmp_path, capsys):
     assert _cli(llama_dir, tmp_path / "out", "--json", "--scheme", "fp8-block", "--ignore", "down_proj") == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["scheme"] == "fp8-block" and report["schema_version"] == 5
+    assert report["scheme"] == "fp8-block" and report["schema_version"] == 6
     assert report["summary"] == {"fp8:fp8-block": 12, "skipped: ignored by pattern": 3}
     assert report["weight_bytes_after"] < report["weight_bytes_before"]
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]

@@ -284,7 +284,7 @@ def test_report_and_scales_file_say_how_much_ran_and_why_it_stopped(llama_dir, c
     report = quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-static", calib_data=calib_file, calib_samples=40,
                                  calib_seq_len=16, calib_stop=StopRule(0.05, 2, 256), progress=False)  # fmt: skip
     cal = report.to_dict()["calibration"]
-    assert report.to_dict()["schema_version"] == 5
+    assert report.to_dict()["schema_version"] == 6
     assert cal["stopped"] in ("converged", "cap") and cal["samples_available"] == 40
     assert cal["tokens"] == cal["samples"] * 16 and cal["batches"] == len(cal["clipped_by_batch"])
     if cal["stopped"] == "converged":

@@ -20,7 +20,7 @@ from mixprec.inference.runtime.online import apply_scheme_
 def test_an_online_report_says_the_schemes_family(scheme, kind):
     report = apply_scheme_(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64)), scheme)
     doc = report.to_dict()
-    assert doc["schema_version"] == SCHEMA_VERSION == 5
+    assert doc["schema_version"] == SCHEMA_VERSION == 6
     assert doc["kind"] == kind and report.reported_kind == kind
     assert report["0"].precision == f"{kind}:{scheme}" and report.converted == ["0", "2"]
 
@@ -58,3 +58,40 @@ def test_one_quantize_model_():
         mixprec.inference.quantize_model_  # noqa: B018
     report = mixprec.quantize_model_(nn.Sequential(nn.Linear(64, 32)), "nvfp4a16")
     assert report.to_dict()["kind"] == "fp4"
+
+
+def test_an_offline_report_times_each_stage_with_its_peak_memory(llama_dir, calib_file, tmp_path):
+    """quantize_checkpoint's report: the stages in order, each with its wall time and peak resident memory
+    (a whole-run measurement keeps working: the process's own peak is never reset)."""
+    from mixprec.progress import peak_rss
+
+    before = peak_rss()
+    report = quantize_checkpoint(llama_dir, tmp_path / "q", "fp8-static", calib_data=calib_file, calib_samples=4,
+                                 calib_seq_len=16, progress=False)  # fmt: skip
+    stages = report.to_dict()["stages"]
+    assert [s["stage"] for s in stages] == ["prepare", "select", "calibration", "write"]
+    assert all(s["seconds"] >= 0 and s["peak_rss_bytes"] > 0 for s in stages)
+    assert peak_rss() >= before
+
+
+def test_a_stage_meter_sees_each_stages_own_peak():
+    import time
+
+    import torch
+
+    from mixprec.progress import StageMeter
+
+    meter = StageMeter()
+    meter.next("big")
+    block = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, touched
+    time.sleep(0.2)
+    del block
+    meter.next("small")
+    time.sleep(0.2)
+    meter.finish()
+    big, small = meter.stages
+    assert (big["stage"], small["stage"]) == ("big", "small")
+    assert big["peak_rss_bytes"] - small["peak_rss_bytes"] >= 200 << 20
+    assert not small["peak_rss_exact"]  # a stage below an earlier peak: sampled
+    meter.finish()  # a second finish records nothing
+    assert len(meter.stages) == 2

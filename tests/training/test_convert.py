@@ -97,7 +97,7 @@ def test_report_outputs():
     m = tiny_llama()
     report = convert_for_training(m, "bf16")
     d = json.loads(report.to_json())
-    assert d["schema_version"] == 5 and d["recipe"] and len(d["modules"]) == len(report)
+    assert d["schema_version"] == 6 and d["recipe"] and len(d["modules"]) == len(report)
     assert {"name", "type", "role", "precision", "reason"} <= set(d["modules"][0])
     text = str(report)
     assert "lm_head" in text and "model.layers.1.mlp.down_proj" in text

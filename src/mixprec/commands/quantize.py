@@ -283,9 +283,16 @@ def run(args: argparse.Namespace) -> int:
                       f"({cal['tokens']} tokens, {cal['seconds']:.0f} s); {cal['reason']}")  # fmt: skip
     if report.algorithm:
         console.print(_algorithm_line(report.algorithm))
+    if report.stages:
+        console.print("stages: " + ", ".join(_stage_text(s) for s in report.stages if s["seconds"] >= 0.05))
     for w in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
     return 0
+
+
+def _stage_text(stage: dict) -> str:
+    peak = stage["peak_rss_bytes"]
+    return f"{stage['stage']} {stage['seconds']:.1f} s" + (f" ({peak / 2**30:.2f} GiB peak)" if peak else "")
 
 
 def _algorithm_line(record: dict) -> str:

@@ -28,7 +28,7 @@ import torch
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.inference.algorithms.spec import AlgorithmSpec
+from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
 from mixprec.inference.calibration.across_ranks import broadcast_object
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs
@@ -66,6 +66,7 @@ from mixprec.inference.schemes import (
     skip_reason,
     transformers_dequantize_reason,
 )
+from mixprec.progress import StageMeter
 from mixprec.ranks import is_main_process, rank, world_size
 from mixprec.scaling import compute_scale
 from mixprec.select import selects_any
@@ -121,19 +122,30 @@ def quantize_checkpoint(
         recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
         param_dtype=str(source.config.get("dtype") or source.config.get("torch_dtype")), output=str(job.output_dir),
     )  # fmt: skip
-    with (
-        partial_run(job, source) as run,
-        folded(job, source, report, _scratch_selection, run) as (job, source),
-    ):
-        return _select_calibrate_write(job, source, report, run)
+    meter = StageMeter()
+    try:
+        # the partial run's set-up, and the folds when --algorithm asks for one (they hold the whole model)
+        meter.next("folds" if set(job.algorithm.names) & set(FOLDS) else "prepare")
+        with (
+            partial_run(job, source) as run,
+            folded(job, source, report, _scratch_selection, run) as (job, source),
+        ):
+            return _select_calibrate_write(job, source, report, run, meter)
+    finally:
+        meter.finish()
+        report.stages = meter.stages
 
 
-def _select_calibrate_write(job: QuantizeJob, source: Source, report: ConversionReport, run: PartialRun) -> ConversionReport:  # fmt: skip
+def _select_calibrate_write(job: QuantizeJob, source: Source, report: ConversionReport, run: PartialRun,
+                            meter: StageMeter) -> ConversionReport:  # fmt: skip
+    meter.next("select")
     selection = select(job, source, report)
+    meter.next("calibration")
     calibration = _calibrate(job, source, selection, report, run)
     try:
         if report.algorithm is None and job.algorithm.names:  # data-free algorithms: their parameters
             report.algorithm = job.algorithm.to_dict()
+        meter.next("write")
         plan = plan_tensors(job, source.ckpt, selection, calibration)
         return write(job, source, selection, calibration, plan, report, run)
     finally:
