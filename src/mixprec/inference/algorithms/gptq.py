@@ -21,8 +21,9 @@ for bit (tested), and the checkpoint writer re-encodes the result with the same 
 - Dead input columns (zero Hessian diagonal: an input that was always 0) get weight 0 and diagonal 1.
 - Dampening: `damp` times the mean of the diagonal is added to it (default 1 %); a Hessian that is still
   not positive definite raises a MixprecError naming the layer.
-The solve is in fp32 (the Hessian and its Cholesky factor, K x K), with lazy block updates of `block`
-columns.
+The solve is in fp32 with lazy block updates of `block` columns. Its K x K factor (SolveFactor) is made
+once per input group, in the Hessian's own memory when the caller hands it over (solve_factor(consume=
+True): the whole solve then holds one K x K), and the per-layer output errors are computed from it.
 """
 
 from __future__ import annotations
@@ -78,9 +79,108 @@ class GptqResult:
     damp: float  # the dampening added to the diagonal (absolute)
 
 
+@dataclass(frozen=True)
+class SolveFactor:
+    """What the column loop needs of a Hessian H [K, K], made once and shared by the Linears that read
+    the same input (a fused q/k/v or gate/up): the upper Cholesky factor U of the dampened H^-1 in
+    solve order (row i: the update weights of column i; U^T U = (P Hd P^T)^-1, Hd = H with a dead
+    input's diagonal set to 1 and `damp` added to every diagonal element, P the activation order),
+    the dead inputs, the absolute dampening, the order (None: natural), and H's own diagonal."""
+
+    upper: torch.Tensor
+    dead: torch.Tensor
+    damp: float
+    order: torch.Tensor | None
+    diagonal: torch.Tensor
+
+    def output_errors(self, weight: torch.Tensor, *rounded: torch.Tensor) -> list[float]:
+        """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration inputs X (tr(E H E^T) / tr(W H W^T)) for
+        each rounding Q of `weight`, from the factor alone, so that H itself need not outlive the solve:
+        tr(E Hd E^T) = ||E_p U^-1||^2 (a triangular solve, N K^2 flops against 2 N K^2 for E H), less
+        what Hd adds to H (the dampening, and 1 on a dead input's diagonal)."""
+        w = weight.detach().float()
+        den = self._energy(w)
+        return [self._energy(w - q.float()) / den if den > 0 else 0.0 for q in rounded]
+
+    def _energy(self, e: torch.Tensor) -> float:
+        ep = e if self.order is None else e[:, self.order]
+        x = torch.linalg.solve_triangular(self.upper, ep, upper=True, left=False)
+        total = float(x.square().sum()) - self.damp * float(e.square().sum())
+        return max(0.0, total - float(e[:, self.dead].square().sum()))
+
+
+def solve_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP, act_order: bool = False,
+                 name: str = "weight", *, consume: bool = False) -> SolveFactor:  # fmt: skip
+    """The SolveFactor of `hessian`; MixprecError when it holds inf/NaN or is not positive definite
+    after the dampening. consume=True: `hessian` (fp32, contiguous) becomes the factor in place — every
+    step (the activation order's permutation, the Cholesky factor, its inverse, the inverse's factor) runs
+    in its memory, so the solve holds one K x K; else it is left as it is, and the work runs in a copy."""
+    if not _all_finite(hessian):
+        raise MixprecError(f"{name}: the Hessian holds inf or NaN (calibration inputs overflowed)")
+    diagonal = torch.diagonal(hessian).detach().float().clone()
+    own = consume and hessian.dtype == torch.float32 and hessian.is_contiguous()
+    h = hessian.detach() if own else hessian.detach().float().clone()
+    dead = diagonal == 0
+    h[dead, dead] = 1.0
+    damp_abs = damp * float(torch.diagonal(h).mean())
+    torch.diagonal(h).add_(damp_abs)
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if order is not None:
+        _permute_in_place(h, order)
+    # LAPACK works in place on a column-major matrix: h.mT is one (h is symmetric), so no copy is made
+    hv = h.mT
+    info = torch.empty((), dtype=torch.int32)
+    torch.linalg.cholesky_ex(hv, out=(hv, info))
+    if int(info) != 0:
+        raise MixprecError(
+            f"{name}: the dampened Hessian is not positive definite (column {int(info) - 1}): "
+            "raise the dampening or give more calibration tokens"
+        )
+    torch.cholesky_inverse(hv, out=hv)
+    torch.linalg.cholesky_ex(hv, upper=True, out=(hv, info))
+    if int(info) != 0:
+        raise MixprecError(f"{name}: the inverse Hessian is ill-conditioned: raise the dampening")
+    return SolveFactor(hv, dead, damp_abs, order, diagonal)
+
+
+# Rows of a K x K matrix handled at a time where a step needs a copy (a finite check, a permutation)
+CHUNK_BYTES = 16 << 20
+
+
+def _rows_per_chunk(h: torch.Tensor) -> int:
+    return max(1, CHUNK_BYTES // max(1, h.shape[-1] * h.element_size()))
+
+
+def _all_finite(h: torch.Tensor) -> bool:
+    """No inf/NaN in h, checked a chunk of rows at a time (a whole K x K mask would be a quarter of h)."""
+    step = _rows_per_chunk(h)
+    return all(bool(torch.isfinite(h[r0 : r0 + step]).all()) for r0 in range(0, h.shape[0], step))
+
+
+def _permute_in_place(h: torch.Tensor, order: torch.Tensor, rows_per_chunk: int | None = None) -> None:
+    """h[order][:, order], written into h: the columns a chunk of rows at a time (a chunk-sized copy),
+    then the rows along the permutation's cycles (one row's copy)."""
+    rows_per_chunk = rows_per_chunk or _rows_per_chunk(h)
+    for r0 in range(0, h.shape[0], rows_per_chunk):
+        h[r0 : r0 + rows_per_chunk] = h[r0 : r0 + rows_per_chunk].index_select(1, order)
+    src = order.tolist()
+    seen = [False] * len(src)
+    for start in range(len(src)):
+        if seen[start] or src[start] == start:
+            continue
+        first = h[start].clone()
+        i = start
+        while src[i] != start:  # row i takes row src[i]
+            h[i].copy_(h[src[i]])
+            seen[i] = True
+            i = src[i]
+        h[i].copy_(first)
+        seen[i] = True
+
+
 def gptq_quantize(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | SolveFactor,
     fmt: str,
     granularity: Granularity,
     *,
@@ -92,15 +192,20 @@ def gptq_quantize(
     name: str = "weight",
     search: bool = False,
 ) -> GptqResult:
-    """GPTQ-round `weight` [N, K] for the layer inputs' Hessian [K, K]; see the module docstring.
+    """GPTQ-round `weight` [N, K] for the layer inputs' Hessian [K, K] (or its SolveFactor, made once
+    for several Linears: damp and act_order are then the factor's); see the module docstring.
     scale: a fixed per-tensor scale (fp8-static's fused groups); global_scale: NVFP4's, shared by a
     fused group. search: each group's block scales from the scale search (scale_search.py) instead of
     round to nearest's (NVFP4: global_scale is then the search's, with its headroom). Inputs are not
     modified."""
     fmt_ = get_format(fmt)
-    w = _check(weight, hessian, granularity, name)
+    k = weight.shape[-1]
+    if isinstance(hessian, torch.Tensor) and tuple(hessian.shape) != (k, k):
+        raise MixprecError(f"{name}: Hessian of shape {tuple(hessian.shape)} for a weight with {k} inputs")
+    factor = hessian if isinstance(hessian, SolveFactor) else solve_factor(hessian, damp, act_order, name)
+    w = _check(weight, factor, granularity, name)
     n, k = w.shape
-    hinv, dead, damp_abs, order = _dampened_inverse(hessian, damp, act_order, name)
+    dead = factor.dead
     w[:, dead] = 0.0
     if global_scale is None and granularity.scale_format == "e4m3":
         global_scale = quantize(weight.detach().float(), fmt_, granularity).global_scale
@@ -108,62 +213,34 @@ def gptq_quantize(
     width = k if granularity.block_cols is None else min(granularity.block_cols, k)
     # scales fixed up front: with activation order, a given scale, or one group over all of K (chosen
     # at column 0, before any update: the same as up front); else chosen as each group is reached
-    up_front = act_order or scale is not None or width == k
+    up_front = factor.order is not None or scale is not None or width == k
     # in the weight's own dtype: "input" scale math (compressed-tensors') rounds amax / max to it
     source = weight.detach().clone()
     source[:, dead] = 0
     # the search weighs each input column by its Hessian diagonal (the mean square of that input)
-    importance = torch.diagonal(hessian).detach().float().clone() if search else None
+    importance = factor.diagonal if search else None
     fixed = (
         _group_scales(source, fmt_, granularity, width, scale, global_scale, importance) if up_front else {}
     )
     del source
     solver = _Solver(w, fmt_, granularity, width, fixed, global_scale, importance)
     del w  # the solver's transposed copy is the one it updates (memory: one N x K fp32 less)
-    solver.run(hinv, order, block if width == k else max(width, block - block % width))
+    solver.run(factor.upper, factor.order, block if width == k else max(width, block - block % width))
     q = quantize(solver.rounded, fmt_, granularity, scale=solver.scale_grid(n), global_scale=global_scale)
-    return GptqResult(q, solver.clipped, int(dead.sum()), damp_abs)
+    return GptqResult(q, solver.clipped, int(dead.sum()), factor.damp)
 
 
-def _check(weight: torch.Tensor, hessian: torch.Tensor, g: Granularity, name: str) -> torch.Tensor:
+def _check(weight: torch.Tensor, factor: SolveFactor, g: Granularity, name: str) -> torch.Tensor:
     if weight.dim() != 2:
         raise MixprecError(f"{name}: GPTQ takes a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     k = weight.shape[1]
-    if tuple(hessian.shape) != (k, k):
-        raise MixprecError(f"{name}: Hessian of shape {tuple(hessian.shape)} for a weight with {k} inputs")
-    if not bool(torch.isfinite(hessian).all()):
-        raise MixprecError(f"{name}: the Hessian holds inf or NaN (calibration inputs overflowed)")
+    if tuple(factor.upper.shape) != (k, k):
+        raise MixprecError(
+            f"{name}: Hessian of shape {tuple(factor.upper.shape)} for a weight with {k} inputs"
+        )
     if g.block_rows is not None and g.block_rows > 1 and g.block_cols is None:
         raise MixprecError(f"{name}: {g.name} scales vary along the input dimension column by column")
     return weight.detach().float().clone()
-
-
-def _dampened_inverse(hessian: torch.Tensor, damp: float, act_order: bool, name: str):
-    """(the upper Cholesky factor of the dampened H^-1 in solve order, the dead inputs, the absolute
-    dampening, the activation order or None). GPTQ's form: row i holds the update weights of column i.
-    Each K x K step frees the one before it, so at most two live beside `hessian` (not modified)."""
-    h = hessian.detach().float().clone()
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    damp_abs = damp * float(torch.diagonal(h).mean())
-    torch.diagonal(h).add_(damp_abs)
-    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
-    if order is not None:
-        h = h[order][:, order]
-    factor, info = torch.linalg.cholesky_ex(h)
-    del h
-    if int(info) != 0:
-        raise MixprecError(
-            f"{name}: the dampened Hessian is not positive definite (column {int(info) - 1}): "
-            "raise the dampening or give more calibration tokens"
-        )
-    inverse = torch.cholesky_inverse(factor)
-    del factor
-    upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-    del inverse
-    if int(info) != 0:
-        raise MixprecError(f"{name}: the inverse Hessian is ill-conditioned: raise the dampening")
-    return upper, dead, damp_abs, order
 
 
 def _group_scales(w, fmt, g, width, scale, global_scale, importance) -> dict[int, torch.Tensor]:
@@ -263,4 +340,12 @@ def _expand_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return scale[:, 0].repeat_interleave(-(-rows // scale.shape[0]))[:rows]
 
 
-__all__ = ["DEFAULT_BLOCK", "DEFAULT_DAMP", "GptqResult", "HessianAccumulator", "gptq_quantize"]
+__all__ = [
+    "DEFAULT_BLOCK",
+    "DEFAULT_DAMP",
+    "GptqResult",
+    "HessianAccumulator",
+    "SolveFactor",
+    "gptq_quantize",
+    "solve_factor",
+]

@@ -10,7 +10,8 @@ computes it: block_tensors.fused_global_scales) and fp8-static's per-tensor weig
 largest, which vLLM re-quantizes fused shards to).
 
 Per Linear it records the relative calibration output error of round to nearest and of GPTQ, both
-measured with the Hessian (tr(E H E^T) / tr(W H W^T), E the weight error), the time, the dampening,
+measured with the Hessian (tr(E H E^T) / tr(W H W^T), E the weight error; computed from the group's
+solve factor, made in the Hessian's memory: gptq.SolveFactor), the time, the dampening,
 how many elements the updates pushed past their block's range (clipped), dead inputs and the token
 count.
 """
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize
+from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize, solve_factor
 from mixprec.inference.algorithms.scale_search import search_global_scale
 from mixprec.inference.algorithms.spec import AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.across_ranks import (
@@ -180,6 +181,10 @@ class GptqPass:
         weights = {m: modules[m].weight for m in group}
         amax = {m: float(w.detach().abs().amax()) for m, w in weights.items()}
         shared = shared_scales(group, amax, self.schemes, self.weight_dtype)
+        # one factor for the group, made in the Hessian's memory (it is spent: records come from the factor)
+        factor = solve_factor(
+            hessian, self.params.damp, self.params.act_order, f"{group[0]}.weight", consume=True
+        )
         for m in group:
             sch, w = self.schemes[m], weights[m]
             started = time.perf_counter()
@@ -190,18 +195,18 @@ class GptqPass:
                 else global_scale
             )
             result = gptq_quantize(
-                w, hessian, sch.fmt.name, sch.weight_granularity, damp=self.params.damp, block=self.params.block,
-                act_order=self.params.act_order, scale=scale, global_scale=searched, name=f"{m}.weight",
-                search=self.search,
+                w, factor, sch.fmt.name, sch.weight_granularity, block=self.params.block, scale=scale,
+                global_scale=searched, name=f"{m}.weight", search=self.search,
             )  # fmt: skip
             seconds = time.perf_counter() - started
             q = result.quantized
             rtn = quantize(
                 w.detach().float(), sch.fmt, sch.weight_granularity, scale=scale, global_scale=global_scale
             )
+            error_rtn, error = factor.output_errors(w, rtn.dequantize(), q.dequantize())
             out[m] = q, {
-                "output_error_rtn": _output_error(w, rtn.dequantize(), hessian),
-                "output_error": _output_error(w, q.dequantize(), hessian),
+                "output_error_rtn": error_rtn,
+                "output_error": error,
                 "seconds": round(seconds, 3), "damp": result.damp, "clipped": result.clipped,
                 "dead_inputs": result.dead_columns, "tokens": rows,
             }  # fmt: skip
@@ -250,15 +255,6 @@ def rounding_stats(weight: torch.Tensor, rounded: QuantizedTensor) -> Quantizati
     w = weight.detach().float()
     err = torch.linalg.vector_norm(w - rounded.dequantize()) / torch.linalg.vector_norm(w).clamp_min(1e-30)
     return QuantizationStats(float(w.abs().amax()), float(err))
-
-
-def _output_error(weight: torch.Tensor, rounded: torch.Tensor, hessian: torch.Tensor) -> float:
-    """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration inputs X, from their Hessian."""
-    w = weight.detach().float()
-    e = w - rounded.float()
-    num = float(((e @ hessian) * e).sum())
-    den = float(((w @ hessian) * w).sum())
-    return num / den if den > 0 else 0.0
 
 
 __all__ = ["PROPAGATION", "GptqPass", "input_groups", "rounding_stats", "shared_scales"]

@@ -19,13 +19,13 @@ Peak memory (RSS), nothing of it growing with the number of blocks:
   + the compact embedding           distinct calibration tokens x hidden x dtype bytes
   + statistics                      observers: a float per Linear. GPTQ: the block's Hessians (4 K^2
                                     bytes per input group, K its input width), each freed once its
-                                    group is rounded; while the widest group solves, its Hessian and
-                                    two K x K steps of the inverse (3 x 4 K^2) and a few fp32 copies of
-                                    its weight (4 N x K each)
+                                    group is rounded; a group's solve factor is made in its Hessian's
+                                    memory (gptq.solve_factor), beside it a few fp32 copies of the
+                                    weight being rounded (4 N x K each)
   + GPTQ results of the block       its rounded Linears (1 byte a weight for the codes, plus scales);
                                     on a checkpoint they go to disk at the end of each block, beside
                                     the output, until the writer stores them (checkpoint/spill.py)
-Llama-3.1-8B shapes, GPTQ: down_proj's K = 14336 makes the statistics term ~3 GiB (3 x 0.77 + 3 x 0.22).
+Llama-3.1-8B shapes, GPTQ: down_proj's K = 14336 makes the statistics term ~1.6 GiB (0.77 + 4 x 0.22).
 
 The same walk carries the algorithms that work block by block (a BlockPass: GPTQ), on a checkpoint
 (calibrate_layerwise) or on a model already in memory (calibrate_blockwise).

@@ -264,9 +264,7 @@ def whole_model_memory(s: Shapes, baseline: int, seq_len: int) -> dict[str, floa
 @dataclass(frozen=True)
 class GptqMemory:
     block_hessian_bytes: int
-    solve_bytes: (
-        int  # the Hessian's clone, inverse factor and work (3 x in^2 fp32), the weight's 4 fp32 copies
-    )
+    solve_bytes: int  # the weight's 4 fp32 copies and a chunk of rows (the factor lives in the Hessian)
     results_bytes: int
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.conversion import ConversionReport
+from mixprec.inference.algorithms.gptq import CHUNK_BYTES
 from mixprec.inference.algorithms.gptq_pass import input_groups
 from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
 from mixprec.inference.calibration.run import StopRule
@@ -300,13 +301,14 @@ def _gptq_memory(s: est.Shapes, selection: Selection) -> est.GptqMemory:
     prefix = first_block.group(0) if first_block else ""
     groups = input_groups([n for n in targets if n.startswith(prefix)])
     hessians = sum(targets[g[0]][1] ** 2 * 4 for g in groups)
-    out_f, in_f = max(targets.values(), key=lambda d: d[1] ** 2 * 3 + d[0] * d[1] * 4, default=(0, 0))
+    out_f, in_f = max(targets.values(), key=lambda d: d[0] * d[1], default=(0, 0))
     rounded = sum(
         math.prod(shape) * dtype.itemsize
         for n, d in targets.items()
         for _, dtype, shape in planned_tensors(n, d, selection.schemes[n], "compressed-tensors")
     )
-    return est.GptqMemory(hessians, 3 * in_f**2 * 4 + 4 * out_f * in_f * 4, rounded)
+    # the factor is made in the Hessian's own memory (counted above): beside it a chunk of rows at most
+    return est.GptqMemory(hessians, 4 * out_f * in_f * 4 + CHUNK_BYTES, rounded)
 
 
 def _disk(job: QuantizeJob, plan: QuantizePlan) -> dict[str, Any]:

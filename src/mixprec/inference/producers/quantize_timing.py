@@ -9,7 +9,8 @@ the probes and the memory formulas).
 - calibration: every block's forward over the calibration tokens (at most: samples x seq_len) at the
   GEMM probe's fp32 rate (twice with GPTQ's sequential re-run); the whole-model path adds the head;
 - GPTQ: the Hessians (2 x tokens x in^2 flops per input group), each Linear's solve by the scaled-down
-  probe's rule (GptqProbe.seconds_for) and its two output-error records (8 x out x in^2 flops).
+  probe's rule (GptqProbe.seconds_for) and its two output-error records (three triangular solves with the
+  solve factor: 3 x out x in^2 flops).
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def _gptq_terms(selection: Selection, tokens: int, p: Probes) -> dict[str, float
     targets = selection.targets
     groups = input_groups(list(targets))
     hessian = sum(2.0 * tokens * targets[g[0]][1] ** 2 for g in groups) / p.gemm_rate
-    records = sum(8.0 * o * i * i for o, i in targets.values()) / p.gemm_rate
+    records = sum(3.0 * o * i * i for o, i in targets.values()) / p.gemm_rate
     terms = {f"GPTQ Hessians: 2 x tokens x in^2 flops for {len(groups)} input groups": hessian,
-             f"GPTQ error records: 8 x out x in^2 flops for {len(targets)} Linears": records}  # fmt: skip
+             f"GPTQ error records: 3 x out x in^2 flops for {len(targets)} Linears": records}  # fmt: skip
     if p.gptq is not None:
         solves = sum(p.gptq.seconds_for(o, i) for o, i in targets.values())
         terms[f"GPTQ solves: probe on {p.gptq.out_features} x {p.gptq.inputs} ({p.gptq.seconds:.2f} s), "
