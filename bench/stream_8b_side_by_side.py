@@ -1,0 +1,192 @@
+"""Streaming quantization of a Llama-3.1-8B-shaped checkpoint beside llm-compressor's `model_free_ptq`
+(issue 30's acceptance run).
+
+    python bench/stream_8b_side_by_side.py [--llmc-python /work/llmc-venv/bin/python] [--rounds 1] [--dir DIR]
+
+Writes a Llama-3.1-8B-shaped bf16 checkpoint (hidden 4096, intermediate 14336, 32 blocks, 32 / 8 heads,
+vocabulary 128256, untied head: 16.06 GB) as 4 shards of about 4 GB (two over 4 GB), weights drawn with
+std 0.02, into --dir (a temporary directory by default; removed at the end). Then, in each round and in
+this order, each in its own child process (wall time, and peak RSS from wait4: bench/child_rss.py):
+  - a plain copy of the files (shutil.copytree: the baseline),
+  - `mixprec quantize --scheme fp8-dynamic`, then llm-compressor's `model_free_ptq(scheme="FP8_DYNAMIC")`,
+  - `mixprec quantize --scheme nvfp4a16`, then `model_free_ptq(scheme="NVFP4A16")`,
+both tools with lm_head and the embeddings kept. After each pair, the layer-0 q_proj and down_proj
+tensors of the two outputs are compared byte for byte, and both outputs are deleted (disk is limited).
+`mixprec quantize --dry-run --json` gives the plan's peak-RSS and time estimates for each scheme.
+Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_rss import run_measured
+from quantize_torchrun import cpu_kind
+
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, HEAD_DIM, BLOCKS = 4096, 14336, 32, 8, 128256, 128, 32
+SHARD_BLOCKS = [
+    range(0, 7),
+    range(7, 16),
+    range(16, 25),
+    range(25, 32),
+]  # embed with the first, head with the last
+SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16"}
+COMPARED = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"]
+
+COPY = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])"
+LLMC = textwrap.dedent(
+    """
+    import sys
+    from llmcompressor import model_free_ptq
+    src, out, scheme, workers = sys.argv[1:]
+    model_free_ptq(model_stub=src, save_directory=out, scheme=scheme, ignore=["lm_head", "model.embed_tokens"],
+                   max_workers=int(workers), device="cpu")
+    """
+)
+
+
+def write_checkpoint(directory: Path) -> int:
+    """The 8B-shaped bf16 checkpoint (config, 4 shards, index); its bytes."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=BLOCKS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=500000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False, dtype="bfloat16", architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    directory.mkdir(parents=True)
+    cfg.save_pretrained(directory)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {
+        "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+        "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER),
+    }  # fmt: skip
+
+    def weight(shape):
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    weight_map: dict[str, str] = {}
+    for k, blocks in enumerate(SHARD_BLOCKS):
+        name = f"model-{k + 1:05d}-of-{len(SHARD_BLOCKS):05d}.safetensors"
+        tensors = {"model.embed_tokens.weight": weight((VOCAB, HIDDEN))} if k == 0 else {}
+        for i in blocks:
+            p = f"model.layers.{i}."
+            tensors.update({f"{p}{n}.weight": weight(s) for n, s in shapes.items()})
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                tensors[f"{p}{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        if k == len(SHARD_BLOCKS) - 1:
+            tensors["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+            tensors["lm_head.weight"] = weight((VOCAB, HIDDEN))
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
+def tensors_of(directory: Path, modules: list[str]) -> dict[str, bytes]:
+    """The raw bytes of every output tensor of `modules` (payload and scales), by name."""
+    out = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no iterator
+                if any(key.startswith(m + ".") for m in modules):
+                    t = f.get_tensor(key)
+                    out[key] = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return out
+
+
+def measure(cmd: list[str], log: Path) -> tuple[float, int]:
+    seconds, code, peak = run_measured(cmd, log)
+    if code != 0:
+        raise SystemExit(f"failed ({code}): {' '.join(cmd[:6])}...\n{log.read_text()[-3000:]}")
+    return seconds, peak
+
+
+def plan(model: Path, scheme: str, root: Path) -> dict:
+    cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(root / "planned"),
+           "--scheme", scheme, "--dry-run", "--json"]  # fmt: skip
+    doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    return {"peak_rss": doc["memory"]["total"], "seconds": doc["time"]["total"]}
+
+
+def one_round(model: Path, root: Path, llmc: str | None, workers: int) -> dict[str, tuple[float, int]]:
+    got = {"copy": measure([sys.executable, "-c", COPY, str(model), str(root / "copy")], root / "log.txt")}
+    shutil.rmtree(root / "copy")
+    for scheme, llmc_scheme in SCHEMES.items():
+        out = root / f"mixprec-{scheme}"
+        cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
+               "--scheme", scheme, "--quiet"]  # fmt: skip
+        got[f"mixprec {scheme}"] = measure(cmd, root / "log.txt")
+        if llmc is not None:
+            ref = root / f"llmc-{scheme}"
+            got[f"llm-compressor {scheme}"] = measure([llmc, "-c", LLMC, str(model), str(ref), llmc_scheme,
+                                                       str(workers)], root / "log.txt")  # fmt: skip
+            ours, theirs = tensors_of(out, COMPARED), tensors_of(ref, COMPARED)
+            got[f"same bytes {scheme}"] = (ours == theirs, sorted(set(ours) ^ set(theirs)))
+            shutil.rmtree(ref)
+        shutil.rmtree(out)
+    return got
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llmc-python", default=None, help="python of a venv with llmcompressor (0.14)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="model_free_ptq's max_workers")
+    p.add_argument("--dir", type=Path, default=None, help="work here (kept); default a temporary directory")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="stream8b-") as tmp:
+        root = args.dir or Path(tmp)
+        model = root / "model"
+        size = (
+            write_checkpoint(model)
+            if not model.exists()
+            else sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        )
+        largest = max(f.stat().st_size for f in model.glob("*.safetensors"))
+        print(f"checkpoint: {size / 1e9:.2f} GB in 4 shards (largest {largest / 1e9:.2f} GB)", flush=True)
+        plans = {s: plan(model, s, root) for s in SCHEMES}
+        rounds = []
+        for r in range(args.rounds):
+            rounds.append(one_round(model, root, args.llmc_python, args.workers))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[0]:.0f} s" for k, v in rounds[-1].items()
+                                                 if not k.startswith("same")), flush=True)  # fmt: skip
+    print(f"\nmachine: {cpu_kind()}; torch {torch.__version__}; {args.rounds} round(s), medians\n")
+    print("| run | wall | x copy | peak RSS | plan: peak RSS / time |")
+    print("|---|---:|---:|---:|---|")
+    for key in (k for k in rounds[0] if not k.startswith("same")):
+        wall = statistics.median(r[key][0] for r in rounds)
+        ratio = statistics.median(r[key][0] / r["copy"][0] for r in rounds)
+        rss = max(r[key][1] for r in rounds)
+        scheme = key.split()[-1]
+        planned = plans.get(scheme) if key.startswith("mixprec") else None
+        plan_text = f"{planned['peak_rss'] / 2**30:.2f} GiB / {planned['seconds']:.0f} s" if planned else ""
+        print(f"| {key} | {wall:.0f} s | {ratio:.2f}x | {rss / 2**30:.2f} GiB | {plan_text} |")
+    for key in (k for k in rounds[0] if k.startswith("same")):
+        same, differing = rounds[0][key]
+        print(
+            f"\n{key} (layer-0 q_proj and down_proj, every tensor): {'yes' if same else 'NO ' + str(differing)}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
