@@ -331,6 +331,13 @@ def _auto_job(
     cands = tuple(candidate_schemes(candidates))
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     config = read_config(model_dir)
+    if "quantization_config" in config:  # an FP8 block input included: its scores need a model forward
+        method = (config["quantization_config"] or {}).get("quant_method")
+        raise MixprecError(
+            f"{model_dir / 'config.json'} has a quantization_config ({method}): --scheme auto scores the layers "
+            "with forwards of the model on its weights, which mixprec does not run on a quantized input; "
+            "score the bf16 checkpoint, or quantize to one data-free scheme (docs/quantize.md)"
+        )
     if output_dir.exists() and not force:
         raise MixprecError(f"output directory {output_dir} exists (use --force to replace it)")
     return AutoJob(

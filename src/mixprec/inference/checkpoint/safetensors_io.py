@@ -66,6 +66,21 @@ class TensorInfo:
     def nbytes(self) -> int:
         return tensor_nbytes(self.shape, self.dtype)
 
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes the input files hold for this tensor."""
+        return self.nbytes
+
+
+@dataclass(frozen=True)
+class ComputedTensor(TensorInfo):
+    """A tensor the files do not hold as such, computed from stored ones when ShardReader.get reads it
+    (an FP8 weight and its block scales read as bf16: checkpoint/fp8_block_input.py). It has no byte
+    range of its own: it is read whole, never by range."""
+
+    def compute(self, reader: ShardReader, out: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
 
 @dataclass
 class Checkpoint:
@@ -217,6 +232,8 @@ class ShardReader:
 
     def read_range(self, info: TensorInfo, start: int, out: memoryview) -> None:
         """Fill `out` with the tensor's bytes from byte `start` on."""
+        if isinstance(info, ComputedTensor):
+            raise RuntimeError(f"tensor {info.name!r} is computed when read: read it whole (get)")
         if info.offset < 0:
             raise RuntimeError(f"tensor {info.name!r} has no known file offset")
         f = self._file(info.shard)
@@ -238,6 +255,8 @@ class ShardReader:
             raise MixprecError(f"{info.shard}: cannot read tensor {info.name!r} ({e})") from None
 
     def get(self, info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(info, ComputedTensor):
+            return info.compute(self, out)
         nbytes = info.nbytes
         if out is None:
             buf = torch.empty(nbytes, dtype=torch.uint8)

@@ -37,6 +37,7 @@ from mixprec.inference.checkpoint.algorithm_file import (
     algorithm_document,
     write_algorithm_file,
 )
+from mixprec.inference.checkpoint.fp8_block_input import Fp8BlockWeight, fp8_weights
 from mixprec.inference.checkpoint.layout import K_SCALE, V_SCALE, planned_tensors
 from mixprec.inference.checkpoint.linear_weights import LinearWeights, find_linear_weights
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE, publish
@@ -302,9 +303,28 @@ def write(job: QuantizeJob, source: Source, selection: Selection, calibration: C
         role = {"Linear": "linear", "experts": "experts"}.get(
             kind, "embedding" if name in selection.lw.embeddings else "other"
         )
+        if isinstance(info, Fp8BlockWeight):
+            why = f"{why}; {DEQUANTIZED}"
         report.add_skipped(name, kind, numel, why, role=role)
     report.notes.append(f"copied {', '.join(copied or []) or 'no side files'}")
+    if source.fp8_input is not None:
+        report.notes.append(_fp8_input_note(job, source, selection))
     return report
+
+
+DEQUANTIZED = "stored FP8 in the input: written dequantized to bf16"
+
+
+def _fp8_input_note(job: QuantizeJob, source: Source, selection: Selection) -> str:
+    """What became of an FP8 block input's weights."""
+    fp8 = fp8_weights(source.ckpt)
+    requantized = sum(n[: -len(".weight")] in selection.targets for n in fp8)
+    rows, cols = source.fp8_input.block
+    return (
+        f"input: FP8 with {rows}x{cols} block scales: {len(fp8)} weights dequantized to bf16 one at a time "
+        f"({requantized} quantized to {job.scheme.name}, {len(fp8) - requantized} kept and written in bf16); "
+        "their block scales are not written"
+    )
 
 
 def _side_files(job: QuantizeJob, tmp: Path, report: ConversionReport) -> list[str]:

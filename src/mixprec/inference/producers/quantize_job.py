@@ -12,11 +12,17 @@ from typing import Any
 
 from mixprec.errors import MixprecError
 from mixprec.hf import read_config
-from mixprec.inference.algorithms.spec import AlgorithmSpec
+from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts
 from mixprec.inference.calibration.observers import make_observer
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs, layout
+from mixprec.inference.checkpoint.fp8_block_input import (
+    Fp8BlockInput,
+    already_quantized,
+    fp8_block_input,
+    fp8_block_view,
+)
 from mixprec.inference.checkpoint.linear_weights import LinearWeights
 from mixprec.inference.checkpoint.publish import parse_size
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, check_output, open_checkpoint
@@ -27,13 +33,54 @@ from mixprec.ranks import world_size
 KV_CACHE_WORDS = (None, "fp8", "fp8_e4m3", "e4m3")  # what --kv-cache takes
 
 
+# what an FP8 block input can be quantized to: the schemes that need no model forward
+FP8_INPUT_SCHEMES = "fp8-dynamic, fp8-block, nvfp4a16, mxfp4a16, mxfp4, mxfp8"
+
+
 def read_source_config(model_dir: Path) -> dict[str, Any]:
     """The input's config.json (mixprec.hf.read_config), refused when it is already quantized."""
     cfg = read_config(model_dir)
     if "quantization_config" in cfg:
-        raise MixprecError(f"{model_dir / 'config.json'} already has a quantization_config "
-                           f"({cfg['quantization_config'].get('quant_method')}): the checkpoint is already quantized")  # fmt: skip
+        raise already_quantized(model_dir / "config.json", cfg["quantization_config"].get("quant_method"))
     return cfg
+
+
+def check_fp8_input_job(job: QuantizeJob, where: Path) -> None:
+    """MixprecError, before any work, for what an FP8 block input cannot get: calibration (static
+    input scales, --kv-cache fp8) and the algorithms other than the scale search need a forward of the
+    model on dequantized weights, which mixprec does not build for such an input."""
+    folds = [n for n in job.algorithm.names if n in FOLDS]
+    if not (job.calibrates or folds):
+        return
+    if job.algorithm.needs_data or folds:
+        what = f"--algorithm {job.algorithm.label}"
+    elif job.calibrated_schemes:
+        what = f"scheme {job.calibrated_schemes[0].name}"
+    else:
+        what = "--kv-cache fp8"
+    raise MixprecError(
+        f"{where} is an FP8 block checkpoint: {what} needs a forward of the model on its dequantized "
+        f"weights, which mixprec does not run for FP8 inputs. The data-free schemes work "
+        f"({FP8_INPUT_SCHEMES}; --algorithm scale-search too), or quantize the bf16 checkpoint"
+    )
+
+
+def open_source(job: QuantizeJob) -> tuple[Checkpoint, dict[str, Any], Fp8BlockInput | None]:
+    """The input's tensors (headers), its config.json and, for an FP8 block input (DeepSeek-V3 /
+    Qwen3-FP8 style), what its quantization_config says: its tensors then as the bf16 checkpoint they
+    stand for (checkpoint/fp8_block_input.py), the config without the input's quantization_config
+    (the output gets its own). MixprecError before any work for any other quantized input, a
+    malformed FP8 one, or a job an FP8 input cannot run; the output's place is checked too."""
+    ckpt = open_checkpoint(job.model_dir)
+    check_output(job.model_dir, job.output_dir, job.force)
+    config = read_config(job.model_dir)
+    where = job.model_dir / "config.json"
+    fp8 = fp8_block_input(config, where)
+    if fp8 is None:
+        return ckpt, config, None
+    check_fp8_input_job(job, where)
+    view = fp8_block_view(ckpt, fp8, job.model_dir)
+    return view, {k: v for k, v in config.items() if k != "quantization_config"}, fp8
 
 
 def check_observer_across_ranks(observer: str) -> None:
@@ -128,14 +175,14 @@ class Source:
     ckpt: Checkpoint
     config: dict[str, Any]
     texts: list[str] | None
+    fp8_input: Fp8BlockInput | None = None  # an FP8 block input, read dequantized
 
 
 def resolve(job: QuantizeJob) -> Source:
-    """Open the input (refusing a quantized one) and the output's place; read the calibration texts."""
-    ckpt = open_checkpoint(job.model_dir)
-    check_output(job.model_dir, job.output_dir, job.force)
-    config = read_source_config(job.model_dir)
-    return Source(ckpt, config, load_texts(job.calib_data) if job.calibrates else None)
+    """Open the input (refusing a quantized one but an FP8 block one: open_source) and the output's
+    place; read the calibration texts."""
+    ckpt, config, fp8 = open_source(job)
+    return Source(ckpt, config, load_texts(job.calib_data) if job.calibrates else None, fp8)
 
 
 @dataclass(frozen=True)
@@ -155,7 +202,9 @@ __all__ = [
     "QuantizeJob",
     "Selection",
     "Source",
+    "check_fp8_input_job",
     "check_observer_across_ranks",
+    "open_source",
     "read_source_config",
     "resolve",
 ]

@@ -34,9 +34,7 @@ from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
 from mixprec.inference.checkpoint.safetensors_io import (
     Checkpoint,
-    check_output,
     index_text,
-    open_checkpoint,
     plan_shards,
     shard_header,
     shard_names,
@@ -47,7 +45,7 @@ from mixprec.inference.producers import quantize_estimates as est
 from mixprec.inference.producers.quantize import output_config, plan_tensors, select
 from mixprec.inference.producers.quantize_blocks import nvfp4_groups
 from mixprec.inference.producers.quantize_calibration import Calibration, available_memory
-from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
+from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, open_source
 from mixprec.inference.producers.quantize_stream import COPY_CHUNK_BYTES, stream_workers
 from mixprec.inference.producers.quantize_timing import LAYER_BY_LAYER, WHOLE_MODEL, probes, stage_seconds
 from mixprec.inference.schemes import InferenceScheme
@@ -125,9 +123,10 @@ def plan_quantize(
         layer_by_layer=layer_by_layer, progress=False, strict=strict, algorithm=algorithm,
     )  # fmt: skip
     started = time.perf_counter()
-    ckpt = open_checkpoint(job.model_dir)  # the same checks, in the same order, as quantize's resolve
-    check_output(job.model_dir, job.output_dir, job.force)
-    source = Source(ckpt, read_source_config(job.model_dir), None)
+    # the same checks, in the same order, as quantize's resolve; an FP8 block input as the bf16
+    # checkpoint it is read as (its sizes in memory: a weight dequantized at a time)
+    ckpt, config, fp8 = open_source(job)
+    source = Source(ckpt, config, None, fp8)
     scratch = ConversionReport(recipe="", kind="", device="cpu", param_dtype="")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -151,6 +150,9 @@ def plan_quantize(
         {n: why for n, (_, why) in selection.kept.items()}, ckpt.total_bytes, shard_bytes, files,
         memory, seconds, {}, calibration, list(scratch.warnings),
     )  # fmt: skip
+    if fp8 is not None:
+        plan.warnings.append(f"the input is FP8 ({fp8.block[0]}x{fp8.block[1]} blocks), read one weight at a time "
+                             "dequantized to bf16: the time estimate leaves the dequantization out")  # fmt: skip
     plan.disk = _disk(job, plan)
     if not plan.disk["fits"]:
         plan.warnings.append(_disk_message(plan))

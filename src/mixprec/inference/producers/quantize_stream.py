@@ -23,7 +23,12 @@ from mixprec.formats import E4M3
 from mixprec.inference.algorithms.gptq_pass import rounding_stats
 from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.linear_weights import FLOAT_DTYPES
-from mixprec.inference.checkpoint.safetensors_io import Checkpoint, PlannedShardWriter, ShardReader
+from mixprec.inference.checkpoint.safetensors_io import (
+    Checkpoint,
+    ComputedTensor,
+    PlannedShardWriter,
+    ShardReader,
+)
 from mixprec.inference.checkpoint.scales_file import layer_entry
 from mixprec.inference.producers.quantize_blocks import (
     block_outputs,
@@ -116,7 +121,7 @@ def stream_tensors(
                         queue.out_pool.release(payload)
                     layers[module] = entry
                     queue.fill(depth=workers + 1)
-                report.weight_bytes_before += info.nbytes
+                report.weight_bytes_before += info.stored_nbytes
                 advance()
     except BaseException:
         if queue is not None:
@@ -154,7 +159,10 @@ class _TaskQueue:
         self.in_pool, self.out_pool = in_pool, out_pool
         self.pending: deque[tuple[Any, str | None, Future | None]] = deque()
         self.in_flight = 0
-        self.groups: dict[tuple[str, ...], Future] = {}  # NVFP4 groups submitted
+        # NVFP4 groups submitted whose later members are still to come: [the future, members to come].
+        # A group leaves once its last member is queued: the future's results (each member's packed
+        # payload, scales) then live only as long as the writer needs them, not to the end of the run.
+        self.groups: dict[tuple[str, ...], list] = {}
 
     def _submit(self) -> bool:
         p = self.plan
@@ -179,7 +187,11 @@ class _TaskQueue:
                 return True
             group = p.nvfp4_groups.get(module)
             if group in self.groups:  # a later shard of a group already submitted
-                self.pending.append((info, module, self.groups[group]))
+                entry = self.groups[group]
+                self.pending.append((info, module, entry[0]))
+                entry[1] -= 1
+                if not entry[1]:
+                    del self.groups[group]
                 continue
             if group is not None:
                 fut = self.pool.submit(
@@ -188,7 +200,9 @@ class _TaskQueue:
                     [p.input_amax.get(m) for m in group], self.in_pool, self.out_pool, p.global_dtype,
                     p.scale_search,
                 )  # fmt: skip
-                self.groups[group] = fut
+                later = sum(p.reads(f"{m}.weight") for m in group) - 1  # the members this process writes
+                if later:
+                    self.groups[group] = [fut, later]
             else:
                 fut = self.pool.submit(
                     _quantize_task, self.reader, info, module, p.targets[module], p.schemes[module], p.layout,
@@ -231,7 +245,14 @@ class _BufferPool:
 
 
 def _copy_through(reader: ShardReader, writer: PlannedShardWriter, info, chunk: torch.Tensor) -> None:
-    """A tensor written unchanged: streamed through `chunk`, floating ones checked for NaN/inf."""
+    """A tensor written unchanged: streamed through `chunk`, floating ones checked for NaN/inf. A
+    computed one (an FP8 input weight kept in high precision: written dequantized to bf16, never as FP8
+    without its scales) is read whole, one weight at a time."""
+    if isinstance(info, ComputedTensor):
+        w = reader.get(info)
+        check_finite(w, info.name)
+        writer.write(info.name, w)
+        return
     step = len(chunk) - len(chunk) % max(1, info.dtype.itemsize)
     check = info.dtype in FLOAT_DTYPES
 
