@@ -14,8 +14,8 @@ shows the time remaining.
 
 The stages of a long job (StageMeter) are timed, each with its own peak resident memory:
 
-    meter = StageMeter()
-    meter.next("calibration"); ...; meter.next("write"); ...; meter.finish()
+    with StageMeter() as meter:                  # or finish() at the end
+        meter.next("calibration"); ...; meter.next("write"); ...
     meter.stages  # [{"stage": "calibration", "seconds": 12.3, "peak_rss_bytes": ..., ...}, ...]
 """
 
@@ -145,6 +145,12 @@ class StageMeter:
         self._thread = threading.Thread(target=self._sample, args=(self._stop,), daemon=True,
                                         name="mixprec-stage-meter")  # fmt: skip
         self._thread.start()
+
+    def __enter__(self) -> StageMeter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
 
     def finish(self) -> None:
         if self._name is None:

@@ -119,22 +119,22 @@ def quantize_checkpoint(
         layer_by_layer=layer_by_layer, progress=progress, strict=strict, algorithm=algorithm, resume=resume,
     )  # fmt: skip
     source = resolve(job)
-    report = ConversionReport(
-        recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
-        param_dtype=str(source.config.get("dtype") or source.config.get("torch_dtype")), output=str(job.output_dir),
-    )  # fmt: skip
-    meter = StageMeter()
-    try:
+    report = ConversionReport(recipe=job.scheme.name, kind=job.scheme.family, device="cpu", scheme=job.scheme.name,
+                              param_dtype=_dtype_name(source.config), output=str(job.output_dir))  # fmt: skip
+    with StageMeter() as meter:
         # the partial run's set-up, and the folds when --algorithm asks for one (they hold the whole model)
         meter.next("folds" if set(job.algorithm.names) & set(FOLDS) else "prepare")
         with (
             partial_run(job, source) as run,
             folded(job, source, report, _scratch_selection, run) as (job, source),
         ):
-            return _select_calibrate_write(job, source, report, run, meter)
-    finally:
-        meter.finish()
-        report.stages = meter.stages
+            _select_calibrate_write(job, source, report, run, meter)
+    report.stages = meter.stages
+    return report
+
+
+def _dtype_name(config: dict[str, Any]) -> str:
+    return str(config.get("dtype") or config.get("torch_dtype"))
 
 
 def _select_calibrate_write(job: QuantizeJob, source: Source, report: ConversionReport, run: PartialRun,
