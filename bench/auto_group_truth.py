@@ -30,7 +30,7 @@ from mixprec.hf import load_tokenizer
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.sensitivity.allocation import allocate
 from mixprec.sensitivity.automatic import read_scores
-from mixprec.sensitivity.scores import KEPT, candidate_layers, candidate_schemes
+from mixprec.sensitivity.scores import KEPT, candidate_layers, candidate_schemes, run_instead
 
 
 def main() -> None:
@@ -66,11 +66,7 @@ def main() -> None:
     @torch.no_grad()
     def run(assign: dict[str, str]) -> tuple[torch.Tensor, float]:
         """Per-block summed NLL and the mean KL with the Linears of `assign` in their schemes."""
-        hooks = [
-            modules[m].register_forward_hook(lambda mod, a, out, q=layers[m][c]: q(a[0]).to(out.dtype))
-            for m, c in assign.items()
-            if c != KEPT
-        ]
+        hooks = [run_instead(modules[m], layers.layer(m, c)) for m, c in assign.items() if c != KEPT]
         try:
             nll, kl = [], 0.0
             for b, ref in zip(batches, refs):

@@ -108,53 +108,79 @@ def static_input_amax(
     return dict(calibrate(model, batches, list(names), stop=NEVER_STOP_EARLY).input_amax)
 
 
-def candidate_layers(
-    model: nn.Module,
-    names: Sequence[str],
-    candidates: Sequence[InferenceScheme],
-    input_amax: Mapping[str, float] | None = None,
-    *,
-    weight_dtype: torch.dtype | None = None,
-) -> dict[str, dict[str, nn.Module]]:
-    """{Linear name: {scheme: the inference layer that scheme makes of it}}, built by the inference
-    wing itself (quantize_weight + quantized_linear), as the checkpoint will hold it: the weight
-    quantized in `weight_dtype` (the checkpoint's; default the model's), NVFP4 weights with the global
-    scale their fused GEMM shares (checkpoint.block_tensors.fused_global_scales), static input scales from
-    `input_amax` (fp8-static: amax / 448; nvfp4: its input global scale)."""
-    modules = dict(model.named_modules())
-    dtype = weight_dtype or next(model.parameters()).dtype
-    globals_: dict[str, torch.Tensor] = {}
-    if any(s.weight_granularity.scale_format == "e4m3" for s in candidates):
-        amax = {n: float(modules[n].weight.detach().abs().max()) for n in names}
-        globals_ = fused_global_scales(amax, dtype)
-    out: dict[str, dict[str, nn.Module]] = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # elementwise work on one weight at a time: per-op thread regions only cost
-    try:
-        for name in names:
-            lin = modules[name]
-            w = lin.weight.detach().to(dtype)
-            layers = {}
-            for sch in candidates:
-                scale = None
-                if sch.needs_calibration:
-                    if name not in (input_amax or {}):
-                        raise MixprecError(f"scheme {sch.name} needs a calibrated input amax for {name}")
-                    a = float(input_amax[name])  # type: ignore[index]
-                    scale = (
-                        input_global_scale(a, dtype)
-                        if sch.input_global
-                        else compute_scale(a, E4M3).reshape(1)
-                    )
-                g = globals_.get(name) if sch.weight_granularity.scale_format == "e4m3" else None
-                q, _ = quantize_weight(w, sch, name=f"{name}.weight", global_scale=g)
-                layers[sch.name] = quantized_linear(
-                    q, lin.bias, sch, input_scale=scale, out_dtype=torch.float32
-                ).eval()
-            out[name] = layers
-    finally:
-        torch.set_num_threads(threads)
-    return out
+class CandidateLayers(Mapping[str, dict[str, nn.Module]]):
+    """{Linear name: {scheme: the inference layer that scheme makes of it}}, built by the inference wing
+    itself (quantize_weight + quantized_linear) as the checkpoint will hold it: the weight quantized in
+    `weight_dtype` (the checkpoint's; default the model's), NVFP4 weights with the global scale their
+    fused GEMM shares (checkpoint.block_tensors.fused_global_scales), static input scales from
+    `input_amax` (fp8-static: amax / 448; nvfp4: its input global scale).
+
+    Built on demand, one Linear at a time, and not kept: every candidate of every Linear at once (with
+    each layer's decoded weight) held several times the model (7.5 GiB peak on SmolLM2-135M, 8
+    candidates). A scorer asks for a Linear's layers when it needs them; asking again quantizes again
+    (the same bytes: quantization is deterministic)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], candidates: Sequence[InferenceScheme],
+                 input_amax: Mapping[str, float] | None = None, *, weight_dtype: torch.dtype | None = None):  # fmt: skip
+        self.modules = dict(model.named_modules())
+        self.names = list(names)
+        self.candidates = {s.name: s for s in candidates}
+        self.input_amax = dict(input_amax or {})
+        self.dtype = weight_dtype or next(model.parameters()).dtype
+        self.globals: dict[str, torch.Tensor] = {}
+        if any(s.weight_granularity.scale_format == "e4m3" for s in candidates):
+            amax = {n: float(self.modules[n].weight.detach().abs().max()) for n in self.names}
+            self.globals = fused_global_scales(amax, self.dtype)
+
+    @property
+    def schemes(self) -> list[str]:
+        return list(self.candidates)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, name: str) -> dict[str, nn.Module]:
+        if name not in self.names:
+            raise KeyError(name)
+        return {c: self.layer(name, c) for c in self.candidates}
+
+    def layer(self, name: str, scheme: str) -> nn.Module:
+        """`name`'s layer in candidate `scheme` (its decoded-weight cache off: it is used once)."""
+        sch, lin = self.candidates[scheme], self.modules[name]
+        scale = None
+        if sch.needs_calibration:
+            if name not in self.input_amax:
+                raise MixprecError(f"scheme {sch.name} needs a calibrated input amax for {name}")
+            a = float(self.input_amax[name])
+            scale = (
+                input_global_scale(a, self.dtype) if sch.input_global else compute_scale(a, E4M3).reshape(1)
+            )
+        g = self.globals.get(name) if sch.weight_granularity.scale_format == "e4m3" else None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # elementwise work on one weight: per-op thread regions only cost
+        try:
+            q, _ = quantize_weight(
+                lin.weight.detach().to(self.dtype), sch, name=f"{name}.weight", global_scale=g
+            )
+        finally:
+            torch.set_num_threads(threads)
+        layer = quantized_linear(q, lin.bias, sch, input_scale=scale, out_dtype=torch.float32).eval()
+        layer.decoded_cache = False
+        return layer
+
+
+def candidate_layers(model: nn.Module, names: Sequence[str], candidates: Sequence[InferenceScheme],
+                     input_amax: Mapping[str, float] | None = None, *,
+                     weight_dtype: torch.dtype | None = None) -> CandidateLayers:  # fmt: skip
+    """The CandidateLayers of `names` (built on demand)."""
+    for sch in candidates:  # a missing amax is refused before any scoring
+        missing = [n for n in names if sch.needs_calibration and n not in (input_amax or {})]
+        if missing:
+            raise MixprecError(f"scheme {sch.name} needs a calibrated input amax for {missing[0]}")
+    return CandidateLayers(model, names, candidates, input_amax, weight_dtype=weight_dtype)
 
 
 @dataclass
@@ -239,15 +265,16 @@ def _batch_tokens(batch: torch.Tensor) -> int:
 def gradient_scores(
     model: nn.Module,
     batches: Iterable[torch.Tensor],
-    layers: Mapping[str, Mapping[str, nn.Module]],
+    layers: CandidateLayers,
     *,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lm_loss,
     progress: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """{Linear: {candidate: sum over batches of sum((g * (Y_q - Y))^2)}} (see the module docstring).
-    `layers`: candidate_layers(...). The model is left as it was (hooks removed, grads cleared)."""
+    `layers`: candidate_layers(...), one Linear's built at a time. The model is left as it was (hooks
+    removed, grads cleared)."""
     modules = dict(model.named_modules())
-    totals = {n: dict.fromkeys(c, 0.0) for n, c in layers.items()}
+    totals = {n: dict.fromkeys(layers.schemes, 0.0) for n in layers}
     saved: dict[str, torch.Tensor] = {}
 
     def forward_hook(name: str):
@@ -302,10 +329,15 @@ def _next_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+def run_instead(module: nn.Module, layer: nn.Module):
+    """A forward hook on `module` that returns `layer`'s output instead (its handle)."""
+    return module.register_forward_hook(lambda mod, a, out: layer(a[0]).to(out.dtype))
+
+
 def kl_scores(
     model: nn.Module,
     batches: Sequence[torch.Tensor],
-    layers: Mapping[str, Mapping[str, nn.Module]],
+    layers: CandidateLayers,
     *,
     progress: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, float]]:
@@ -320,17 +352,11 @@ def kl_scores(
     try:
         refs = [model(input_ids=b).logits.float() for b in batches]
         tokens = sum(r.shape[0] * r.shape[1] for r in refs)
-        totals = {n: dict.fromkeys(c, 0.0) for n, c in layers.items()}
-        candidates = dict.fromkeys(c for per in layers.values() for c in per)
+        totals = {n: dict.fromkeys(layers.schemes, 0.0) for n in layers}
         for members in groups.values():
             sizes = [modules[m].weight.numel() for m in members]
-            for cand in candidates:
-                swap = [
-                    modules[m].register_forward_hook(
-                        lambda mod, a, out, q=layers[m][cand]: q(a[0]).to(out.dtype)
-                    )
-                    for m in members
-                ]
+            for cand in layers.schemes:
+                swap = [run_instead(modules[m], layers.layer(m, cand)) for m in members]
                 try:
                     kl = sum(_next_token_kl(r, model(input_ids=b).logits) for r, b in zip(refs, batches))
                 finally:
@@ -392,12 +418,14 @@ __all__ = [
     "KEPT",
     "METHODS",
     "SCORES_SCHEMA_VERSION",
+    "CandidateLayers",
     "Scores",
     "allowed_schemes",
     "candidate_layers",
     "candidate_schemes",
     "gradient_scores",
     "kl_scores",
+    "run_instead",
     "scorable_linears",
     "score_model",
     "static_input_amax",
