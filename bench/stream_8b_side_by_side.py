@@ -2,6 +2,7 @@
 (issue 30's acceptance run).
 
     python bench/stream_8b_side_by_side.py [--llmc-python /work/llmc-venv/bin/python] [--rounds 1] [--dir DIR]
+                                           [--resume-check]
 
 Writes a Llama-3.1-8B-shaped bf16 checkpoint (hidden 4096, intermediate 14336, 32 blocks, 32 / 8 heads,
 vocabulary 128256, untied head: 16.06 GB) as 4 shards of about 4 GB (two over 4 GB), weights drawn with
@@ -12,7 +13,9 @@ this order, each in its own child process (wall time, and peak RSS from wait4: b
   - `mixprec quantize --scheme nvfp4a16`, then `model_free_ptq(scheme="NVFP4A16")`,
 both tools with lm_head and the embeddings kept. After each pair, the layer-0 q_proj and down_proj
 tensors of the two outputs are compared byte for byte, and both outputs are deleted (disk is limited).
-`mixprec quantize --dry-run --json` gives the plan's peak-RSS and time estimates for each scheme.
+`mixprec quantize --dry-run --json` gives the plan's peak-RSS and time estimates for each scheme. With
+--resume-check, an fp8-dynamic run is killed with SIGKILL half-way and resumed with --resume; the
+resumed output is compared file by file (sha256) with an uninterrupted run's.
 Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
 """
 
@@ -146,12 +149,53 @@ def one_round(model: Path, root: Path, llmc: str | None, workers: int) -> dict[s
     return got
 
 
+def digest(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    out = {}
+    for f in sorted(directory.iterdir()):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
+
+
+def kill_and_resume(model: Path, root: Path) -> dict:
+    """fp8-dynamic uninterrupted; again, killed (SIGKILL) at half that wall time; then --resume: the
+    resumed output's files against the uninterrupted one's (sha256), and the resumed run's wall time."""
+    import signal
+    import time
+
+    out = root / "resume-check"
+    cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
+           "--scheme", "fp8-dynamic", "--quiet"]  # fmt: skip
+    full, _ = measure(cmd, root / "log.txt")
+    reference = digest(out)
+    shutil.rmtree(out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(full / 2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    log = out.parent / f".{out.name}.partial" / "shards.jsonl"
+    finished = len(log.read_text().splitlines()) if log.exists() else 0
+    resumed, _ = measure([*cmd, "--resume"], root / "log.txt")
+    same = digest(out) == reference
+    shutil.rmtree(out)
+    return {"uninterrupted": full, "killed_at": full / 2, "finished_shards": finished, "resumed": resumed,
+            "identical": same}  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llmc-python", default=None, help="python of a venv with llmcompressor (0.14)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="model_free_ptq's max_workers")
     p.add_argument("--dir", type=Path, default=None, help="work here (kept); default a temporary directory")
+    p.add_argument(
+        "--resume-check", action="store_true", help="also kill -9 an fp8-dynamic run and resume it"
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="stream8b-") as tmp:
         root = args.dir or Path(tmp)
@@ -169,6 +213,7 @@ def main() -> int:
             rounds.append(one_round(model, root, args.llmc_python, args.workers))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[0]:.0f} s" for k, v in rounds[-1].items()
                                                  if not k.startswith("same")), flush=True)  # fmt: skip
+        resume = kill_and_resume(model, root) if args.resume_check else None
     print(f"\nmachine: {cpu_kind()}; torch {torch.__version__}; {args.rounds} round(s), medians\n")
     print("| run | wall | x copy | peak RSS | plan: peak RSS / time |")
     print("|---|---:|---:|---:|---|")
@@ -180,6 +225,10 @@ def main() -> int:
         planned = plans.get(scheme) if key.startswith("mixprec") else None
         plan_text = f"{planned['peak_rss'] / 2**30:.2f} GiB / {planned['seconds']:.0f} s" if planned else ""
         print(f"| {key} | {wall:.0f} s | {ratio:.2f}x | {rss / 2**30:.2f} GiB | {plan_text} |")
+    if resume is not None:
+        print(f"\nkill -9 at {resume['killed_at']:.0f} s of an fp8-dynamic run ({resume['uninterrupted']:.0f} s "
+              f"uninterrupted), {resume['finished_shards']} shard(s) recorded; --resume took {resume['resumed']:.0f} s; "
+              f"output byte-identical to the uninterrupted run: {'yes' if resume['identical'] else 'NO'}")  # fmt: skip
     for key in (k for k in rounds[0] if k.startswith("same")):
         same, differing = rounds[0][key]
         print(
