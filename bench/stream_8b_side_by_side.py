@@ -104,15 +104,16 @@ def write_checkpoint(directory: Path) -> int:
     return total
 
 
-def tensors_of(directory: Path, modules: list[str]) -> dict[str, bytes]:
-    """The raw bytes of every output tensor of `modules` (payload and scales), by name."""
+def tensors_of(directory: Path, modules: list[str]) -> dict[str, tuple[str, bytes]]:
+    """(dtype, raw bytes) of every output tensor of `modules` (payload and scales), by name."""
     out = {}
     for shard in sorted(directory.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no iterator
                 if any(key.startswith(m + ".") for m in modules):
                     t = f.get_tensor(key)
-                    out[key] = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                    raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                    out[key] = (str(t.dtype).removeprefix("torch."), raw)
     return out
 
 
@@ -143,7 +144,9 @@ def one_round(model: Path, root: Path, llmc: str | None, workers: int) -> dict[s
             got[f"llm-compressor {scheme}"] = measure([llmc, "-c", LLMC, str(model), str(ref), llmc_scheme,
                                                        str(workers)], root / "log.txt")  # fmt: skip
             ours, theirs = tensors_of(out, COMPARED), tensors_of(ref, COMPARED)
-            got[f"same bytes {scheme}"] = (ours == theirs, sorted(set(ours) ^ set(theirs)))
+            differ = [f"{k} (mixprec {ours[k][0]}, llm-compressor {theirs[k][0]})" if k in ours and k in theirs
+                      else k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]  # fmt: skip
+            got[f"same bytes {scheme}"] = (not differ, differ)
             shutil.rmtree(ref)
         shutil.rmtree(out)
     return got
