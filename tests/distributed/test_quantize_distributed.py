@@ -62,10 +62,10 @@ def _split_runs(rank: int, world: int, model_dir: str, calib: str, root: str) ->
     for scheme in [*CASES, "gptq"]:
         report = _quantize(src, root_path / scheme, scheme, calib_path)
         seen[scheme] = [n for n in report.notes if n.startswith("split")]
-    for name in ("killed", "resumed"):
+    for name, scheme in (("killed", KILLED), ("resumed", KILLED), ("resumed-static", "fp8-static")):
         try:
             with _killed_after_own_shards(2):
-                _quantize(src, root_path / name, KILLED, calib_path)
+                _quantize(src, root_path / name, scheme, calib_path)
         except SimulatedKill:
             pass
         # a real kill ends every rank before the job is started again: no rank goes on while another
@@ -73,6 +73,8 @@ def _split_runs(rank: int, world: int, model_dir: str, calib: str, root: str) ->
         torch.distributed.barrier()
     report = _quantize(src, root_path / "resumed", KILLED, calib_path, resume=True)
     seen["resumed"] = [n for n in report.notes if n.startswith("resumed")]
+    report = _quantize(src, root_path / "resumed-static", "fp8-static", calib_path, resume=True)
+    seen["resumed-static"] = [n for n in report.notes if n.startswith(("resumed", "calibration: reused"))]
     return seen
 
 
@@ -179,6 +181,15 @@ def test_a_killed_split_run_resumes_split_again(references, two_ranks):
     seen, out = two_ranks
     assert _files(out / "resumed") == references[KILLED]
     assert seen[0]["resumed"] and seen[0]["resumed"][0].startswith("resumed: 4 of ")
+
+
+def test_a_killed_calibrated_split_run_resumes_without_calibrating_again(references, two_ranks):
+    """Every rank takes the calibration rank 0 recorded (the manifest) and writes the same bytes."""
+    seen, out = two_ranks
+    assert _files(out / "resumed-static") == references["fp8-static"]
+    for rank_seen in seen:
+        assert any(n.startswith("calibration: reused") for n in rank_seen["resumed-static"])
+    assert any(n.startswith("resumed: 4 of ") for n in seen[0]["resumed-static"])
 
 
 def test_shards_are_dealt_biggest_first_onto_the_least_loaded_rank():
