@@ -37,15 +37,20 @@ HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, HEAD_DIM = 4096, 14336, 32, 8, 128256, 12
 REAL_BLOCKS = 32
 
 
-def _weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def random_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
 
 
-def write_checkpoint(directory: Path, blocks: int) -> None:
-    """Config, shards (one per block, embeddings and head apart), index, tokenizer."""
-    import transformers
+BLOCK_SHAPES = {
+    "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER),
+}  # fmt: skip
 
-    from mixprec.data import load_corpus, save_tokenizer, train_bpe_tokenizer
+
+def write_config(directory: Path, blocks: int) -> None:
+    """config.json of a Llama-3.1-8B-shaped bf16 model with `blocks` blocks (the directory is made)."""
+    import transformers
 
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=blocks,
@@ -54,6 +59,22 @@ def write_checkpoint(directory: Path, blocks: int) -> None:
     )  # fmt: skip
     directory.mkdir(parents=True)
     cfg.save_pretrained(directory)
+
+
+def block_tensors(i: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Block i's tensors: its Linear weights (std 0.02) and norms (ones), in bf16."""
+    p = f"model.layers.{i}."
+    tensors = {f"{p}{n}.weight": random_weight(s, gen) for n, s in BLOCK_SHAPES.items()}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        tensors[f"{p}{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    return tensors
+
+
+def write_checkpoint(directory: Path, blocks: int) -> None:
+    """Config, shards (one per block, embeddings and head apart), index, tokenizer."""
+    from mixprec.data import load_corpus, save_tokenizer, train_bpe_tokenizer
+
+    write_config(directory, blocks)
     gen = torch.Generator().manual_seed(0)
     weight_map: dict[str, str] = {}
 
@@ -61,20 +82,11 @@ def write_checkpoint(directory: Path, blocks: int) -> None:
         save_file(tensors, str(directory / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
 
-    shard("embed.safetensors", {"model.embed_tokens.weight": _weight((VOCAB, HIDDEN), gen)})
-    shapes = {
-        "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-        "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER),
-    }  # fmt: skip
+    shard("embed.safetensors", {"model.embed_tokens.weight": random_weight((VOCAB, HIDDEN), gen)})
     for i in range(blocks):
-        p = f"model.layers.{i}."
-        tensors = {f"{p}{n}.weight": _weight(s, gen) for n, s in shapes.items()}
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"{p}{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-        shard(f"block-{i}.safetensors", tensors)
+        shard(f"block-{i}.safetensors", block_tensors(i, gen))
     shard("head.safetensors", {"model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-                               "lm_head.weight": _weight((VOCAB, HIDDEN), gen)})  # fmt: skip
+                               "lm_head.weight": random_weight((VOCAB, HIDDEN), gen)})  # fmt: skip
     total = sum((directory / f).stat().st_size for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_quantized_forward import machine
 from child_rss import run_measured
 
 BLOCK = 128
@@ -179,18 +179,6 @@ def startup_measured(root: Path) -> tuple[float, int, int, list[str]]:
     return seconds, peak, 0, []
 
 
-def machine() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?"
-    )
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{model} ({' '.join(isa)}), {os.cpu_count()} CPUs, {mem:.0f} GiB RAM; python "
-            f"{platform.python_version()}, torch {torch.__version__}")  # fmt: skip
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--moe-layers", type=int, default=2)
@@ -214,7 +202,9 @@ def main() -> int:
         names = runs["FP8-block input"][3]
         packed = sum(1 for n in names if ".experts." in n and n.endswith(".weight_packed"))
         assert not [n for n in names if n.endswith("weight_scale_inv")], "block scales written"
-        print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} at the end")
+        print(
+            f"machine: {machine()}; torch {torch.__version__}; load average {os.getloadavg()[0]:.1f} at the end"
+        )
         print(f"input: synthetic DeepSeek-style FP8-block MoE, {args.moe_layers} MoE layers x {args.experts} "
               f"experts (2048 x 1408) + 2 shared, {info['fp8_params'] / 1e9:.2f} G FP8 weights, "
               f"{info['bytes'] / 1e9:.2f} GB in {info['shards']} shards (written in {written_s:.0f} s)")  # fmt: skip

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench_checkpoint_quantize import write_synthetic_llama
+from bench_quantized_forward import machine
 from child_rss import run_measured
 
 BIN = Path(sys.executable).parent
@@ -71,16 +71,6 @@ def measure_row(name: str, model: Path, scheme: str, extra: list[str], root: Pat
             "rss_two": max(rss[2]), "identical": identical}  # fmt: skip
 
 
-def cpu_kind() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx2") if f in flags.split()]
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {'/'.join(isa) or 'no AVX2'}"
-    )
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-gb", type=float, default=1.0)
@@ -110,7 +100,7 @@ def main() -> int:
             rows.append(
                 measure_row("fp8-static (calibrated)", args.model, "fp8-static", calib, root, args.repeats)
             )
-    print(f"\nmachine: {cpu_kind()}; torch {torch.__version__}; {args.repeats} alternating rounds, medians\n")
+    print(f"\nmachine: {machine()}; torch {torch.__version__}; {args.repeats} alternating rounds, medians\n")
     print("| job | one process | torchrun, 2 ranks | ratio | peak RSS one / per rank | bytes identical |")
     print("|---|---|---|---|---|---|")
     for r in rows:

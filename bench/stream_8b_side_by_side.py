@@ -37,10 +37,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quantized_forward import machine
 from child_rss import run_measured
-from quantize_torchrun import cpu_kind
+from gptq_8b_blocks import HIDDEN, VOCAB, block_tensors, random_weight, write_config
 
-HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, HEAD_DIM, BLOCKS = 4096, 14336, 32, 8, 128256, 128, 32
+BLOCKS = 32
 SHARD_BLOCKS = [
     range(0, 7),
     range(7, 16),
@@ -64,37 +65,17 @@ LLMC = textwrap.dedent(
 
 def write_checkpoint(directory: Path) -> int:
     """The 8B-shaped bf16 checkpoint (config, 4 shards, index); its bytes."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=BLOCKS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=500000.0,
-        max_position_embeddings=8192, tie_word_embeddings=False, dtype="bfloat16", architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
-    directory.mkdir(parents=True)
-    cfg.save_pretrained(directory)
+    write_config(directory, BLOCKS)
     gen = torch.Generator().manual_seed(0)
-    shapes = {
-        "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-        "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER),
-    }  # fmt: skip
-
-    def weight(shape):
-        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-
     weight_map: dict[str, str] = {}
     for k, blocks in enumerate(SHARD_BLOCKS):
         name = f"model-{k + 1:05d}-of-{len(SHARD_BLOCKS):05d}.safetensors"
-        tensors = {"model.embed_tokens.weight": weight((VOCAB, HIDDEN))} if k == 0 else {}
+        tensors = {"model.embed_tokens.weight": random_weight((VOCAB, HIDDEN), gen)} if k == 0 else {}
         for i in blocks:
-            p = f"model.layers.{i}."
-            tensors.update({f"{p}{n}.weight": weight(s) for n, s in shapes.items()})
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                tensors[f"{p}{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+            tensors.update(block_tensors(i, gen))
         if k == len(SHARD_BLOCKS) - 1:
             tensors["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-            tensors["lm_head.weight"] = weight((VOCAB, HIDDEN))
+            tensors["lm_head.weight"] = random_weight((VOCAB, HIDDEN), gen)
         save_file(tensors, str(directory / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors
@@ -217,7 +198,7 @@ def main() -> int:
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[0]:.0f} s" for k, v in rounds[-1].items()
                                                  if not k.startswith("same")), flush=True)  # fmt: skip
         resume = kill_and_resume(model, root) if args.resume_check else None
-    print(f"\nmachine: {cpu_kind()}; torch {torch.__version__}; {args.rounds} round(s), medians\n")
+    print(f"\nmachine: {machine()}; torch {torch.__version__}; {args.rounds} round(s), medians\n")
     print("| run | wall | x copy | peak RSS | plan: peak RSS / time |")
     print("|---|---:|---:|---:|---|")
     for key in (k for k in rounds[0] if not k.startswith("same")):
