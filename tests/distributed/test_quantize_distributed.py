@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from distributed.harness import run_distributed
-from inference.inference_helpers import CALIB_TEXTS, save_with_tokenizer, tiny_llama
+from inference.inference_helpers import (
+    CALIB_TEXTS,
+    SimulatedKill,
+    directory_files,
+    save_with_tokenizer,
+    tiny_llama,
+)
 from mixprec.inference import quantize_checkpoint
 from mixprec.inference.producers.quantize_ranks import shard_owners
 from mixprec.inference.producers.resume import PartialRun, work_dir_of
@@ -35,10 +41,6 @@ CALIB = dict(calib_samples=8, calib_seq_len=32)
 KILLED = "fp8-dynamic"
 
 
-class SimulatedKill(BaseException):
-    """Raised where a kill would land; not an Exception, as a signal is not."""
-
-
 def _quantize(src: Path, out: Path, scheme: str, calib: Path, **kw):
     options = {**(GPTQ[1] if scheme == "gptq" else CASES[scheme]), **kw}
     scheme = GPTQ[0] if scheme == "gptq" else scheme
@@ -47,10 +49,6 @@ def _quantize(src: Path, out: Path, scheme: str, calib: Path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return quantize_checkpoint(src, out, scheme, progress=False, **options)
-
-
-def _files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
 def _split_runs(rank: int, world: int, model_dir: str, calib: str, root: str) -> dict:
@@ -116,7 +114,7 @@ def references(files):
     out = {}
     for scheme in [*CASES, "gptq"]:
         _quantize(model_dir, root / "one" / scheme, scheme, calib)
-        out[scheme] = _files(root / "one" / scheme)
+        out[scheme] = directory_files(root / "one" / scheme)
     return out
 
 
@@ -130,7 +128,7 @@ def two_ranks(files):
 @pytest.mark.parametrize("scheme", list(CASES))
 def test_two_ranks_write_the_bytes_one_process_writes(references, two_ranks, scheme):
     seen, out = two_ranks
-    assert _files(out / scheme) == references[scheme]
+    assert directory_files(out / scheme) == references[scheme]
     assert len(references[scheme]) > 5  # several shards, an index, config, side files
     assert seen[0][scheme] and seen[0][scheme][0].startswith("split across 2 processes")
     assert " wrote 0 of " not in seen[1][scheme][0]  # rank 1 wrote shards too
@@ -148,7 +146,7 @@ def test_gptq_split_across_ranks_rounds_within_the_stated_tolerance(references, 
     from safetensors.torch import load
 
     seen, out = two_ranks
-    split, one = _files(out / "gptq"), references["gptq"]
+    split, one = directory_files(out / "gptq"), references["gptq"]
     assert split.keys() == one.keys() and seen[0]["gptq"]
     assert split["config.json"] == one["config.json"]
     for name in (n for n in one if n.endswith(".safetensors")):
@@ -174,19 +172,19 @@ def test_a_killed_split_run_resumes_in_one_process(references, two_ranks, files)
     assert len(recorded) == 4 and len(set(recorded)) == 4  # two per rank, not a prefix of the plan
     report = _quantize(model_dir, out / "killed", KILLED, calib, resume=True)
     assert any(n.startswith("resumed: 4 of ") for n in report.notes)
-    assert _files(out / "killed") == references[KILLED]
+    assert directory_files(out / "killed") == references[KILLED]
 
 
 def test_a_killed_split_run_resumes_split_again(references, two_ranks):
     seen, out = two_ranks
-    assert _files(out / "resumed") == references[KILLED]
+    assert directory_files(out / "resumed") == references[KILLED]
     assert seen[0]["resumed"] and seen[0]["resumed"][0].startswith("resumed: 4 of ")
 
 
 def test_a_killed_calibrated_split_run_resumes_without_calibrating_again(references, two_ranks):
     """Every rank takes the calibration rank 0 recorded (the manifest) and writes the same bytes."""
     seen, out = two_ranks
-    assert _files(out / "resumed-static") == references["fp8-static"]
+    assert directory_files(out / "resumed-static") == references["fp8-static"]
     for rank_seen in seen:
         assert any(n.startswith("calibration: reused") for n in rank_seen["resumed-static"])
     assert any(n.startswith("resumed: 4 of ") for n in seen[0]["resumed-static"])
@@ -218,5 +216,5 @@ def test_torchrun_launches_the_quantize_split(files, references, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("wrote ") == 1  # rank 0 alone prints
-    assert _files(out) == references["nvfp4a16"]
+    assert directory_files(out) == references["nvfp4a16"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no work directory left behind

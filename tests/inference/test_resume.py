@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from inference_helpers import SimulatedKill, directory_files
 
 from mixprec.cli import main
 from mixprec.errors import MixprecError
@@ -36,10 +37,6 @@ CASES = {
 }
 
 
-class SimulatedKill(BaseException):
-    """Raised where a kill would land; not an Exception, as a signal is not."""
-
-
 def _quantize(src: Path, out: Path, case: str, calib: Path, **kw):
     scheme = kw.pop("scheme", case.split("+")[0])
     options = {**CASES[case], **kw}
@@ -48,10 +45,6 @@ def _quantize(src: Path, out: Path, case: str, calib: Path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return quantize_checkpoint(src, out, scheme, progress=False, **options)
-
-
-def _files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +138,7 @@ def test_interrupted_then_resumed_is_byte_identical(case, kill, references, llam
     monkeypatch.setattr(quantize_module, "calibrate_job", _no_second_calibration)
     monkeypatch.setattr(quantize_folds, "_fold_into", _no_second_fold)
     report = _quantize(llama_dir, out, case, calib_file, resume=True)
-    assert _files(out) == _files(references[case])
+    assert directory_files(out) == directory_files(references[case])
     assert not work_dir_of(out).exists()
     reference = json.loads((references[case] / "model.fp8_scales.json").read_text())
     assert len(report.layers) == len(reference["layers"]) or not case.startswith("fp8")
@@ -210,7 +203,7 @@ sys.exit(main(["quantize", "--model", {str(llama_dir)!r}, "--output", {str(out)!
         "--quiet",
     ]
     assert main([*argv, "--resume"]) == 0
-    assert _files(out) == _files(references["fp8-dynamic"])
+    assert directory_files(out) == directory_files(references["fp8-dynamic"])
     assert not work_dir_of(out).exists()
 
 
@@ -251,14 +244,14 @@ def test_partial_run_refused_without_resume_and_discarded_by_force(references, l
     monkeypatch.setattr(quantize_module, "calibrate_job", lambda *a: calibrated.append(1) or original(*a))
     _quantize(llama_dir, out, "fp8-static", calib_file, force=True)
     assert calibrated == [1]  # discarded: calibrated afresh
-    assert _files(out) == _files(references["fp8-static"])
+    assert directory_files(out) == directory_files(references["fp8-static"])
     assert not work_dir_of(out).exists()
 
 
 def test_resume_without_a_partial_run_starts_afresh(references, llama_dir, calib_file, tmp_path):
     out = tmp_path / "q"
     _quantize(llama_dir, out, "fp8-dynamic", calib_file, resume=True)
-    assert _files(out) == _files(references["fp8-dynamic"])
+    assert directory_files(out) == directory_files(references["fp8-dynamic"])
 
 
 def test_bad_input_error_leaves_nothing_even_when_resumable(llama_dir, calib_file, tmp_path, monkeypatch):
@@ -281,7 +274,7 @@ def test_a_second_process_on_the_same_output_is_refused(llama_dir, calib_file, t
     fcntl = pytest.importorskip("fcntl")
     out = tmp_path / "q"
     _interrupt(monkeypatch, "after-shard-1", llama_dir, out, "fp8-dynamic", calib_file)
-    before = _files(work_dir_of(out) / OUTPUT_SUBDIR)
+    before = directory_files(work_dir_of(out) / OUTPUT_SUBDIR)
     fd = os.open(work_dir_of(out), os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -290,7 +283,7 @@ def test_a_second_process_on_the_same_output_is_refused(llama_dir, calib_file, t
                 _quantize(llama_dir, out, "fp8-dynamic", calib_file, **kw)
     finally:
         os.close(fd)
-    assert _files(work_dir_of(out) / OUTPUT_SUBDIR) == before
+    assert directory_files(work_dir_of(out) / OUTPUT_SUBDIR) == before
     report = _quantize(llama_dir, out, "fp8-dynamic", calib_file, resume=True)
     assert any(n.startswith("resumed: 2 of ") for n in report.notes)
 
@@ -316,7 +309,7 @@ def test_a_changed_shard_and_a_cut_log_line_are_written_again(references, llama_
         report = quantize_checkpoint(llama_dir, out, "fp8-dynamic", progress=False, resume=True,
                                      **CASES["fp8-dynamic"])  # fmt: skip
     assert any(n.startswith("resumed: 4 of ") for n in report.notes)
-    assert _files(out) == _files(references["fp8-dynamic"])
+    assert directory_files(out) == directory_files(references["fp8-dynamic"])
 
 
 def test_a_cut_log_line_is_dropped_before_new_records_follow(llama_dir, calib_file, tmp_path, monkeypatch):

@@ -22,7 +22,13 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.inference.checkpoint.layout import TENSOR_NAMES, WEIGHT, WEIGHT_SCALE_INV
-from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ComputedTensor, ShardReader, TensorInfo
+from mixprec.inference.checkpoint.safetensors_io import (
+    Checkpoint,
+    ComputedTensor,
+    ShardReader,
+    TensorInfo,
+    read_buffer,
+)
 
 FP8_METHOD = "fp8"
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,12 +89,7 @@ class Fp8BlockWeight(ComputedTensor):
         bytes are read into the buffer's upper half and dequantized downwards over it, block row by
         block row, so no second weight-sized buffer is needed."""
         nbytes = self.nbytes
-        if out is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        else:
-            if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < nbytes:
-                raise RuntimeError(f"read buffer too small or not contiguous uint8 for {self.name!r}")
-            buf = out.view(-1)[:nbytes]
+        buf = read_buffer(nbytes, out, self.name)
         q = reader.get(self.stored, out=buf[nbytes - self.stored.nbytes :])
         scale = reader.get(self.scale).float()
         w = buf.view(torch.bfloat16).view(self.shape)

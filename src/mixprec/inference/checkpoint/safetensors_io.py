@@ -207,6 +207,15 @@ def _infos(shard: Path, header: dict, data_start: int) -> dict[str, TensorInfo]:
     }
 
 
+def read_buffer(nbytes: int, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """`nbytes` of `out` (a contiguous uint8 buffer at least that long) to read `name` into, or new memory."""
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < nbytes:
+        raise RuntimeError(f"read buffer too small or not contiguous uint8 for {name!r}")
+    return out.view(-1)[:nbytes]
+
+
 class ShardReader:
     """Reads tensors with positioned reads at their header offsets; safe to share between threads.
 
@@ -258,12 +267,7 @@ class ShardReader:
         if isinstance(info, ComputedTensor):
             return info.compute(self, out)
         nbytes = info.nbytes
-        if out is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        else:
-            if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < nbytes:
-                raise RuntimeError(f"read buffer too small or not contiguous uint8 for {info.name!r}")
-            buf = out.view(-1)[:nbytes]
+        buf = read_buffer(nbytes, out, info.name)
         if nbytes:
             self.read_range(info, 0, memoryview(buf.numpy()))
         return buf.view(info.dtype).view(info.shape)
