@@ -1,6 +1,8 @@
-"""Calibration split across the ranks of a torch.distributed process group: each rank runs its share
-of the batches (`share`), then the statistics are combined so every rank holds what one process running
-every batch would (docs/quantize.md, "Calibration and GPTQ across processes").
+"""The collectives of a quantization split across the ranks of a torch.distributed process group.
+Calibration: each rank runs its share of the batches (`share`), then the statistics are combined so every
+rank holds what one process running every batch would (docs/quantize.md, "Calibration and GPTQ across
+processes"). Writing (producers/quantize_ranks.py): rank 0's decisions broadcast, every rank's
+scales-file entries gathered, a barrier before rank 0 publishes.
 
 What combines exactly: an amax (the max over ranks of per-rank maxima is the max over all batches, bit
 for bit) and counts (integer sums). What combines up to the order of fp32 sums: a Hessian's sum of x x^T.
@@ -11,7 +13,7 @@ each one returns its input unchanged, with no collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -86,11 +88,32 @@ def broadcast_object(obj: Any, src: int) -> Any:
     return box[0]
 
 
+def merged_entries(entries: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's scales-file entries ({Linear: entry}) merged, on every rank (a Linear two ranks
+    quantized has the same entry on both)."""
+    if world_size() == 1:
+        return dict(entries)
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, dict(entries))
+    merged: dict[str, dict[str, Any]] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def wait_for_all_ranks() -> None:
+    """Return once every rank got here (nothing in a single process)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
 __all__ = [
     "broadcast_object",
     "broadcast_tensor",
     "max_across_ranks",
+    "merged_entries",
     "share",
     "sum_across_ranks",
     "sum_in_place",
+    "wait_for_all_ranks",
 ]

@@ -29,7 +29,7 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
 from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
-from mixprec.inference.calibration.across_ranks import broadcast_object
+from mixprec.inference.calibration.across_ranks import broadcast_object, merged_entries, wait_for_all_ranks
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint import configs
 from mixprec.inference.checkpoint.algorithm_file import (
@@ -54,11 +54,7 @@ from mixprec.inference.producers.quantize_blocks import nvfp4_groups
 from mixprec.inference.producers.quantize_calibration import Calibration, calibrate_job
 from mixprec.inference.producers.quantize_folds import folded
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, resolve
-from mixprec.inference.producers.quantize_ranks import (
-    merged_entries,
-    own_shards,
-    wait_for_all_ranks,
-)
+from mixprec.inference.producers.quantize_ranks import own_shards
 from mixprec.inference.producers.quantize_stream import StreamPlan, record_layers, stream_tensors
 from mixprec.inference.producers.resume import PartialRun, ReportMark, ShardMap, partial_run
 from mixprec.inference.schemes import (

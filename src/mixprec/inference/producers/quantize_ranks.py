@@ -18,13 +18,10 @@ resumes with `--resume` under torchrun or in one process (any split: shards are 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import Any
-
-import torch.distributed as dist
+from collections.abc import Collection
 
 from mixprec.inference.checkpoint.safetensors_io import PlannedTensor
-from mixprec.ranks import is_distributed, rank, world_size
+from mixprec.ranks import rank, world_size
 
 
 def shard_owners(shards: list[list[PlannedTensor]], todo: Collection[int], world: int) -> dict[int, int]:
@@ -47,23 +44,4 @@ def own_shards(shards: list[list[PlannedTensor]], finished: Collection[int]) -> 
     return frozenset(i for i, r in owners.items() if r == me)
 
 
-def merged_entries(entries: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every rank's scales-file entries ({Linear: entry}) merged, on every rank (a Linear two ranks
-    quantized has the same entry on both)."""
-    if not is_distributed() or world_size() == 1:
-        return dict(entries)
-    gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, dict(entries))
-    merged: dict[str, dict[str, Any]] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
-
-
-def wait_for_all_ranks() -> None:
-    """Return once every rank got here (nothing in a single process)."""
-    if is_distributed() and world_size() > 1:
-        dist.barrier()
-
-
-__all__ = ["merged_entries", "own_shards", "shard_owners", "wait_for_all_ranks"]
+__all__ = ["own_shards", "shard_owners"]

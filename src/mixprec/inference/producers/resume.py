@@ -54,6 +54,7 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.files import resumable_output_dir, write_json_atomic, write_text_atomic
 from mixprec.formats import get_format
+from mixprec.inference.calibration.across_ranks import wait_for_all_ranks
 from mixprec.inference.checkpoint.layout import planned_tensors
 from mixprec.inference.checkpoint.safetensors_io import (
     Checkpoint,
@@ -62,7 +63,6 @@ from mixprec.inference.checkpoint.safetensors_io import (
 )
 from mixprec.inference.producers.quantize_calibration import Calibration
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source
-from mixprec.inference.producers.quantize_ranks import wait_for_all_ranks
 from mixprec.ranks import is_main_process
 from mixprec.scaling import Granularity, QuantizedTensor
 
