@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from tests.inference.inference_helpers import ReferenceLinear, rel_err, tiny_llama
 
+from inference.inference_helpers import ReferenceLinear, rel_err, tiny_llama
 from mixprec.errors import MixprecError
 from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.runtime.online import apply_scheme_

@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-from tests.inference.inference_helpers import VOCAB, tiny_llama
 from torch import nn
 
+from inference.inference_helpers import VOCAB, tiny_llama
 from mixprec.errors import MixprecError
 from mixprec.finetune.qat import QATLinear, convert_qat_, distillation_loss, prepare_qat_, qat_linears
 from mixprec.formats import get_format

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.inference.inference_helpers import tiny_llama
 from torch import nn
 
+from inference.inference_helpers import tiny_llama
 from mixprec.errors import MixprecError
 from mixprec.inference.runtime.online import apply_scheme_
 from mixprec.training.gradient_flow import check_gradient_flow
