@@ -6,6 +6,7 @@ byte-identical, file for file, to an uninterrupted run. A partial run of another
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -191,7 +192,11 @@ sys.exit(main(["quantize", "--model", {str(llama_dir)!r}, "--output", {str(out)!
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert not out.exists()
-    assert len(PartialRun(work_dir_of(out), {}).shards) == 3
+    records = PartialRun(work_dir_of(out), {}).shards
+    assert len(records) == 3
+    for rec in records:  # the writer hashed the bytes it wrote: the same digest as the file's, read back
+        data = (work_dir_of(out) / OUTPUT_SUBDIR / rec["name"]).read_bytes()
+        assert rec["nbytes"] == len(data) and rec["sha256"] == hashlib.sha256(data).hexdigest()
     argv = [
         "quantize",
         "--model",

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import quantize_checkpoint
+from mixprec.inference.calibration import outside
 from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.schemes import PARTLY_QUANTIZED_RULE
 
@@ -143,6 +144,15 @@ def test_moe_kv_cache_and_layer_by_layer(moe_dir, calib_file, tmp_path):
     with pytest.raises(MixprecError, match=r"names 26 of them differently .*; pass --no-layer-by-layer"):
         _quantize(moe_dir, tmp_path / "lbl", "fp8-static", calib_file, layer_by_layer=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
+
+
+def test_whole_model_advice_under_torchrun(monkeypatch):
+    """A split calibration always runs layer by layer: the advice there is to leave torchrun, since
+    --no-layer-by-layer alone would change nothing."""
+    assert outside.whole_model_advice() == "pass --no-layer-by-layer"
+    monkeypatch.setattr(outside, "world_size", lambda: 2)
+    advice = outside.whole_model_advice()
+    assert "not under torchrun" in advice and advice.endswith("with --no-layer-by-layer")
 
 
 def test_moe_ignored_experts_load_in_high_precision(moe_dir, input_ids, tmp_path):

@@ -46,7 +46,7 @@ from mixprec.errors import MixprecError
 from mixprec.hf import build_model
 from mixprec.inference.calibration.across_ranks import max_across_ranks, sum_across_ranks
 from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
-from mixprec.inference.calibration.outside import OutsideLoader, check_captured, load_into
+from mixprec.inference.calibration.outside import OutsideLoader, check_captured, load_into, whole_model_advice
 from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
@@ -253,7 +253,7 @@ def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_
     if unknown:
         raise MixprecError(
             f"layer-by-layer calibration loads tensors by their checkpoint names, and {type(model).__name__} "
-            f"names {len(unknown)} of them differently (e.g. {unknown[0]!r}); pass --no-layer-by-layer"
+            f"names {len(unknown)} of them differently (e.g. {unknown[0]!r}); {whole_model_advice()}"
         )
     prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
     stray = [n for n in linear_names if not n.startswith(prefix + ".")]

@@ -28,6 +28,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
+from mixprec.ranks import world_size
 
 
 def load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: ShardReader) -> None:
@@ -143,8 +144,24 @@ def check_captured(captured: list[tuple[tuple, dict]]) -> None:
                     raise MixprecError(
                         "layer-by-layer calibration: this model's forward reads a weight outside its "
                         "transformer blocks without running that weight's module, so the first block's "
-                        "inputs could not be computed; pass --no-layer-by-layer"
+                        f"inputs could not be computed; {whole_model_advice()}"
                     )
 
 
-__all__ = ["OutsideLoader", "check_captured", "input_embedding", "load_into", "token_rows"]
+def whole_model_advice() -> str:
+    """How to calibrate the whole model at once instead: --no-layer-by-layer in one process; a run
+    split across ranks always calibrates layer by layer, so there the advice is to leave torchrun."""
+    if world_size() > 1:
+        return ("run it in one process (not under torchrun: a split calibration always runs layer by layer) "
+                "with --no-layer-by-layer")  # fmt: skip
+    return "pass --no-layer-by-layer"
+
+
+__all__ = [
+    "OutsideLoader",
+    "check_captured",
+    "input_embedding",
+    "load_into",
+    "token_rows",
+    "whole_model_advice",
+]

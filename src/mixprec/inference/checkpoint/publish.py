@@ -53,7 +53,7 @@ def publish(
     scales: Callable[[], dict[str, Any]] | None = None,
     into: Path | None = None,
     skip_shards: Collection[int] = (),
-    on_shard: Callable[[int, Path], None] | None = None,
+    on_shard: Callable[[int, Path, str], None] | None = None,
     finish: bool = True,
 ) -> T | None:
     """Write a checkpoint to `out` the one way every producer does, atomically (mixprec.files: a

@@ -13,6 +13,7 @@ bytes are appended as soon as it exists; nothing is buffered beyond the tensor a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -357,14 +358,15 @@ class PlannedShardWriter:
     """Writes planned shards: header first, then each tensor's bytes the moment it is given.
 
     Tensors must be given in plan order. Each is checked against its plan (name, dtype, shape).
-    Once a shard file is complete and closed, `on_shard(index, path)` is called (a resumable producer
-    records it). `skip_shards`: the shards this writer does not write (a resumed run's finished ones,
+    Once a shard file is complete and closed, `on_shard(index, path, sha256)` is called (a resumable
+    producer records it): the file's sha256 is computed from the bytes as they are written, so a
+    finished shard is never read back to be hashed. `skip_shards`: the shards this writer does not write (a resumed run's finished ones,
     or the shards other ranks write): tensors planned in them are accepted and dropped.
     """
 
     def __init__(
         self, out_dir: Path, shards: list[list[PlannedTensor]], metadata: dict[str, str] | None = None,
-        *, skip_shards: Collection[int] = (), on_shard: Callable[[int, Path], None] | None = None,
+        *, skip_shards: Collection[int] = (), on_shard: Callable[[int, Path, str], None] | None = None,
     ):  # fmt: skip
         self.out_dir = out_dir
         self.shards = shards
@@ -377,6 +379,7 @@ class PlannedShardWriter:
         self._dropped = {t.name for i, t in self._planned if i in skip}
         self._on_shard = on_shard
         self._file = None
+        self._hash = None  # the open shard's sha256 so far (only when on_shard wants it)
         self._shard = -1
 
     def _finish_shard(self) -> None:
@@ -384,7 +387,7 @@ class PlannedShardWriter:
         f, self._file = self._file, None
         f.close()
         if self._on_shard is not None:
-            self._on_shard(self._shard, self.out_dir / self.names[self._shard])
+            self._on_shard(self._shard, self.out_dir / self.names[self._shard], self._hash.hexdigest())
 
     def _open_shard(self, i: int) -> None:
         if self._file is not None:
@@ -392,8 +395,14 @@ class PlannedShardWriter:
         raw = shard_header(self.shards[i], self.metadata)
         self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _finish_shard/abort
         self._shard = i
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._hash = hashlib.sha256() if self._on_shard is not None else None
+        self._emit(struct.pack("<Q", len(raw)))
+        self._emit(raw)
+
+    def _emit(self, data) -> None:
+        self._file.write(data)
+        if self._hash is not None:
+            self._hash.update(data)  # releases the GIL for large buffers: the workers go on meanwhile
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._dropped:  # planned in a shard a resumed run already holds
@@ -410,7 +419,7 @@ class PlannedShardWriter:
             self._open_shard(i)
         t = tensor.detach().contiguous().cpu()
         if t.numel():
-            self._file.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            self._emit(memoryview(t.view(-1).view(torch.uint8).numpy()))
         self._pos += 1
 
     def write_chunks(
@@ -429,7 +438,7 @@ class PlannedShardWriter:
             self._open_shard(i)
         written = 0
         for chunk in chunks:
-            self._file.write(chunk)
+            self._emit(chunk)
             written += len(chunk)
         if written != plan.nbytes:
             raise RuntimeError(f"tensor {name}: {written} bytes written, {plan.nbytes} planned")

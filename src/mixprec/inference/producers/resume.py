@@ -13,8 +13,8 @@ Where the unfinished output lives: `.<output name>.partial/` beside --output (fi
                     --output and the work directory removed
 
 The manifest is rewritten (atomically) after the folds and after calibration; a shard's line is
-appended once the shard is complete (its sha256 computed on a background thread, off the writer's
-path; the last shard is not recorded, the publish follows it), so a kill at any point loses at most the
+appended once the shard is complete (its sha256 computed by the writer from the bytes it wrote: a
+finished shard is never read back; the last shard is not recorded, the publish follows it), so a kill at any point loses at most the
 shards not yet recorded. Shards are not fsync'ed: after an OS crash a shard the disk
 lost fails the sha256 check on resume and is written again. A resumed run checks the job's
 identity (refused, naming what differs), reuses the calibration result (no second calibration), checks
@@ -224,27 +224,30 @@ class PartialRun:
         return Calibration(rec["input_amax"], kv_amax, kv_names, rec["info"], pre)
 
     # ---- shards -----------------------------------------------------------------------------------
-    def shard_done(self, index: int, path: Path, layers: dict[str, dict[str, Any]]) -> None:
-        """Record a complete shard file (its sha256 computed in the background) with `layers`: the
-        scales-file entries of the Linears it completes."""
+    def shard_done(self, index: int, path: Path, sha256: str, layers: dict[str, dict[str, Any]]) -> None:
+        """Record a complete shard file (its sha256 as the writer computed it) with `layers`: the
+        scales-file entries of the Linears it completes. Appended on a background thread, off the
+        writer's path."""
         if self._recorder is None:
             self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixprec-resume")
-        self._pending.append(self._recorder.submit(self._record_shard, index, path, layers))
+        self._pending.append(self._recorder.submit(self._record_shard, index, path, sha256, layers))
 
-    def recorder(self, shards: ShardMap, layers: Mapping[str, dict[str, Any]]) -> Callable[[int, Path], None]:
+    def recorder(
+        self, shards: ShardMap, layers: Mapping[str, dict[str, Any]]
+    ) -> Callable[[int, Path, str], None]:
         """The writer's on_shard: records every shard but the last, with the scales-file entries (from
         `layers`, filled as the stream goes) of the Linears it completes. The last shard is followed at
-        once by the publish: a kill in between costs that shard, and its hash stays off the end of the run."""
+        once by the publish: a kill in between costs that shard."""
 
-        def record(index: int, path: Path) -> None:
+        def record(index: int, path: Path, sha256: str) -> None:
             if index < len(shards.names) - 1:
-                self.shard_done(index, path, shards.layers_completed_by(index, layers))
+                self.shard_done(index, path, sha256, shards.layers_completed_by(index, layers))
 
         return record
 
-    def _record_shard(self, index: int, path: Path, layers: dict[str, dict[str, Any]]) -> None:
+    def _record_shard(self, index: int, path: Path, sha256: str, layers: dict[str, dict[str, Any]]) -> None:
         """One line appended to the shard log (a line cut by a kill is ignored when read)."""
-        shard = FinishedShard(index, path.name, path.stat().st_size, _sha256(path))
+        shard = FinishedShard(index, path.name, path.stat().st_size, sha256)
         rec = {**dataclasses.asdict(shard), "layers": layers}
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
         # one write() in append mode: the ranks of a split run append to one log, line by whole line
