@@ -16,7 +16,9 @@ tensors of the two outputs are compared byte for byte, and both outputs are dele
 `mixprec quantize --dry-run --json` gives the plan's peak-RSS and time estimates for each scheme. With
 --resume-check, an fp8-dynamic run is killed with SIGKILL half-way and resumed with --resume; the
 resumed output is compared file by file (sha256) with an uninterrupted run's.
-Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
+Every timed run starts after an os.sync() (not timed), so that no run pays for the writeback of the one
+before; "on disk" adds a timed os.sync() after it exits (its output written out, not only to the page
+cache). Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -98,11 +101,17 @@ def tensors_of(directory: Path, modules: list[str]) -> dict[str, tuple[str, byte
     return out
 
 
-def measure(cmd: list[str], log: Path) -> tuple[float, int]:
+def measure(cmd: list[str], log: Path) -> tuple[float, int, float]:
+    """(wall seconds to exit, peak RSS, wall seconds until its output is on disk). Each run starts with
+    no dirty pages (os.sync() first, not timed): otherwise a run pays for the writeback of the run
+    before it, and the kernel throttles its writes. On disk: the exit plus a timed os.sync()."""
+    os.sync()
     seconds, code, peak = run_measured(cmd, log)
     if code != 0:
         raise SystemExit(f"failed ({code}): {' '.join(cmd[:6])}...\n{log.read_text()[-3000:]}")
-    return seconds, peak
+    start = time.perf_counter()
+    os.sync()
+    return seconds, peak, seconds + time.perf_counter() - start
 
 
 def plan(model: Path, scheme: str, root: Path) -> dict:
@@ -150,12 +159,11 @@ def kill_and_resume(model: Path, root: Path) -> dict:
     """fp8-dynamic uninterrupted; again, killed (SIGKILL) at half that wall time; then --resume: the
     resumed output's files against the uninterrupted one's (sha256), and the resumed run's wall time."""
     import signal
-    import time
 
     out = root / "resume-check"
     cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
            "--scheme", "fp8-dynamic", "--quiet"]  # fmt: skip
-    full, _ = measure(cmd, root / "log.txt")
+    full, _, _ = measure(cmd, root / "log.txt")
     reference = digest(out)
     shutil.rmtree(out)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -164,7 +172,7 @@ def kill_and_resume(model: Path, root: Path) -> dict:
     proc.wait()
     log = out.parent / f".{out.name}.partial" / "shards.jsonl"
     finished = len(log.read_text().splitlines()) if log.exists() else 0
-    resumed, _ = measure([*cmd, "--resume"], root / "log.txt")
+    resumed, _, _ = measure([*cmd, "--resume"], root / "log.txt")
     same = digest(out) == reference
     shutil.rmtree(out)
     return {"uninterrupted": full, "killed_at": full / 2, "finished_shards": finished, "resumed": resumed,
@@ -199,16 +207,17 @@ def main() -> int:
                                                  if not k.startswith("same")), flush=True)  # fmt: skip
         resume = kill_and_resume(model, root) if args.resume_check else None
     print(f"\nmachine: {machine()}; torch {torch.__version__}; {args.rounds} round(s), medians\n")
-    print("| run | wall | x copy | peak RSS | plan: peak RSS / time |")
-    print("|---|---:|---:|---:|---|")
+    print("| run | wall | x copy | on disk | x copy on disk | peak RSS | plan: peak RSS / time |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for key in (k for k in rounds[0] if not k.startswith("same")):
-        wall = statistics.median(r[key][0] for r in rounds)
-        ratio = statistics.median(r[key][0] / r["copy"][0] for r in rounds)
+        wall, disk = (statistics.median(r[key][i] for r in rounds) for i in (0, 2))
+        ratio, disk_ratio = (statistics.median(r[key][i] / r["copy"][i] for r in rounds) for i in (0, 2))
         rss = max(r[key][1] for r in rounds)
         scheme = key.split()[-1]
         planned = plans.get(scheme) if key.startswith("mixprec") else None
         plan_text = f"{planned['peak_rss'] / 2**30:.2f} GiB / {planned['seconds']:.0f} s" if planned else ""
-        print(f"| {key} | {wall:.0f} s | {ratio:.2f}x | {rss / 2**30:.2f} GiB | {plan_text} |")
+        print(f"| {key} | {wall:.0f} s | {ratio:.2f}x | {disk:.0f} s | {disk_ratio:.2f}x | {rss / 2**30:.2f} GiB "
+              f"| {plan_text} |")  # fmt: skip
     if resume is not None:
         print(f"\nkill -9 at {resume['killed_at']:.0f} s of an fp8-dynamic run ({resume['uninterrupted']:.0f} s "
               f"uninterrupted), {resume['finished_shards']} shard(s) recorded; --resume took {resume['resumed']:.0f} s; "

@@ -47,9 +47,9 @@ def quantize_group_task(
     """The NVFP4 weights of one fused GEMM (or one weight alone), each read once: their amax gives the
     shared global scale (block_tensors.fused_global_scales, in `dtype`), then each is quantized from
     the same buffer. {module: (output tensors in plan order, report entry, payload buffer)}."""
-    bufs = [in_pool.get() for _ in infos]
+    bufs: list[torch.Tensor] = []
     try:
-        ws = [reader.get(info, out=buf) for info, buf in zip(infos, bufs)]
+        ws = _read_packed(reader, infos, in_pool, bufs)
         modules = [info.name[: -len(".weight")] for info in infos]
         amax = {m: _finite_amax(w, info.name) for m, w, info in zip(modules, ws, infos)}
         shared = fused_global_scales(amax, dtype)
@@ -60,6 +60,24 @@ def quantize_group_task(
     finally:
         for buf in bufs:
             in_pool.release(buf)
+
+
+def _read_packed(reader: ShardReader, infos: list, in_pool, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weights of `infos`, read one after another into as few pool buffers as they fit in (q/k/v
+    share one buffer sized for the largest weight); the buffers taken are appended to `bufs` (for the
+    caller to release, also when a read fails)."""
+    ws, used = [], in_pool.size
+    for info in infos:
+        if used + info.nbytes > in_pool.size:
+            bufs.append(in_pool.get())
+            used = 0
+        ws.append(reader.get(info, out=bufs[-1][used:]))
+        used += -(-info.nbytes // _ALIGN) * _ALIGN
+    return ws
+
+
+# where the next weight of a shared read buffer starts: a multiple of this many bytes
+_ALIGN = 64
 
 
 def _finite_amax(w: torch.Tensor, name: str) -> float:
@@ -95,18 +113,23 @@ def quantize_block_task(
 
 
 def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=None, search=False):
-    """One weight already read: (output tensors, report entry, payload buffer); search: its block
-    scales from the scale search (scale_search.py), the global scale with the search's headroom."""
-    payload = out_pool.get()
+    """One weight already read: (output tensors, report entry, the payload buffer the writer releases,
+    or None when it is already free); search: its block scales from the scale search
+    (scale_search.py), the global scale with the search's headroom."""
     if search:
         check_finite(w, info.name)
         g = search_global_scale(global_scale) if global_scale is not None else None
         q = search_scales(w, sch.fmt, sch.weight_granularity, global_scale=g)
-        return (*block_outputs(q, rounding_stats(w, q), info, module, shape, sch, in_amax), payload)
+        return (*block_outputs(q, rounding_stats(w, q), info, module, shape, sch, in_amax), None)
+    payload = out_pool.get()
     dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
     data = payload[: w.numel()].view(dtype).view(shape)
     q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)
-    return (*block_outputs(q, stats, info, module, shape, sch, in_amax), payload)
+    out, entry = block_outputs(q, stats, info, module, shape, sch, in_amax)
+    if sch.fmt.bits == 4:  # written packed, a new tensor: the codes' buffer serves the next weight now
+        out_pool.release(payload)
+        payload = None
+    return out, entry, payload
 
 
 def block_outputs(q: QuantizedTensor, stats: QuantizationStats, info, module: str, shape: tuple[int, int],
