@@ -15,12 +15,19 @@ versions of its own, so it cannot share the project's environment); bench/serve_
                              dequantizes it instead (weights compared bit for bit with mixprec's).
                              WORK/serve_check.json and WORK/serve_check.md (the table in docs/serving.md)
 
+`prepare --only GLOB[,GLOB]` (serve_check.sh: ONLY=...) keeps the variants whose id matches one of the
+globs, e.g. ONLY='*gptq*,*smoothquant,*awq' for the checkpoints written with an algorithm; the ids are
+<model>-<scheme>-<layout>[-kv][-<algorithm>] (tiny-fp8-dynamic-compressed-tensors-rotate+gptq). The
+plan then holds those and the unquantized models (the floor), and the later phases run what it holds.
+The full list takes about 25 minutes on 2 busy cores (docs/serving.md).
+
 Nothing here imports mixprec or vllm at module level: each phase imports what its environment has.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import platform
@@ -46,6 +53,14 @@ VARIANTS = (
     # a mixed-precision checkpoint of what this engine runs on a CPU without AMX: bf16 and fp8-dynamic
     # (`--scheme auto` at 12 bits per weight: about half the Linears in each)
     ("auto", "compressed-tensors", ("--calib", "--budget", "12", "--candidates", "fp8-dynamic")),
+    # checkpoints written with the algorithms (docs/algorithms.md): the same layout as round to nearest,
+    # so they should serve unchanged. rotate folds the norms into the Linears and rotates the embeddings
+    # and head: the engine sees norms of 1 and other weights, not another format. 16 x 128 calibration
+    # tokens, so that GPTQ's largest Hessian (SmolLM2's down_proj, 1536 inputs) sees more tokens than inputs
+    ("fp8-dynamic", "compressed-tensors", ("--calib", "--calib-samples", "16", "--algorithm", "gptq")),
+    ("fp8-dynamic", "compressed-tensors", ("--calib", "--calib-samples", "16", "--algorithm", "rotate,gptq")),
+    ("fp8-dynamic", "compressed-tensors", ("--calib", "--calib-samples", "16", "--algorithm", "smoothquant")),
+    ("fp8-dynamic", "compressed-tensors", ("--calib", "--calib-samples", "16", "--algorithm", "awq")),
 )
 N_PROMPTS = 8
 PROMPT_TOKENS = 32
@@ -82,6 +97,20 @@ def _tiny_llama(directory: Path, texts: list[str]) -> None:
     save_tokenizer(train_bpe_tokenizer(texts, vocab_size=512), directory)
 
 
+def variant_id(model: str, scheme: str, layout: str, extra: tuple[str, ...]) -> str:
+    """tiny-fp8-dynamic-compressed-tensors[-kv][-rotate+gptq]: the algorithm is part of the id, so a
+    scheme written with and without one keeps two checkpoints and two results."""
+    vid = f"{model}-{scheme}-{layout}" + ("-kv" if "--kv-cache" in extra else "")
+    if "--algorithm" in extra:
+        vid += "-" + extra[extra.index("--algorithm") + 1].replace(",", "+")
+    return vid
+
+
+def selected(vid: str, only: str | None) -> bool:
+    """--only: comma-separated globs over the variant ids (fnmatch); none given, every variant."""
+    return only is None or any(fnmatch.fnmatchcase(vid, pattern) for pattern in only.split(","))
+
+
 def prepare(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
@@ -99,56 +128,62 @@ def prepare(args: argparse.Namespace) -> None:
     for key, (src, label) in models.items():
         tok = AutoTokenizer.from_pretrained(src)
         prompts = [tok(t)["input_ids"][:PROMPT_TOKENS] for t in texts[:N_PROMPTS]]
+        # the unquantized model is always in the plan: it is the floor of every row
         plan.append(dict(id=f"{key}-original", model=key, label=label, scheme="none", layout="original",
                          dir=str(src), prompts=prompts, kept={}, quantize_s=0.0))  # fmt: skip
         for scheme, layout, extra in VARIANTS:
-            kv = "--kv-cache" in extra
-            vid = f"{key}-{scheme}-{layout}" + ("-kv" if kv else "")
-            out = work / "ckpt" / vid
-            cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(src), "--output", str(out),
-                   "--scheme", scheme, "--format", layout, "--json", "--force"]  # fmt: skip
-            if kv and key != "tiny":
+            vid = variant_id(key, scheme, layout, extra)
+            if "--kv-cache" in extra and key != "tiny":
                 continue  # the engine's FP8 KV-cache support depends on the CPU, not the model: once is enough
-            rest = list(extra)
-            if "--calib" in rest:
-                rest.remove("--calib")
-                # static scales from 8 x 128 tokens: enough for a serving check (not a quality figure)
-                cmd += ["--calib-data", str(calib), "--calib-samples", "8", "--calib-seq-len", "128"]
-            saved = work / "ckpt" / f"{vid}.report.json"  # a rerun reuses what is already quantized
-            t0 = time.perf_counter()
-            if saved.exists() and (out / "config.json").exists():
-                stdout, error = saved.read_text(), None
-            else:
-                done = subprocess.run(cmd + rest, capture_output=True, text=True)
-                stdout = done.stdout
-                error = (done.stderr.strip().splitlines() or ["?"])[-1] if done.returncode else None
-                if error is None:
-                    saved.write_text(
-                        json.dumps({**json.loads(stdout), "quantize_s": time.perf_counter() - t0})
-                    )
-                    stdout = saved.read_text()
-            entry = dict(id=vid, model=key, label=label, scheme=scheme, layout=layout + (" + fp8 KV cache" if kv else ""),
-                         dir=str(out), prompts=prompts, kv_cache=kv)  # fmt: skip
-            if error is not None:
-                entry["quantize_error"] = error
-            elif scheme == "auto":  # --json prints the auto report: the chosen scheme of every Linear
-                report = json.loads(stdout)
-                entry["quantize_s"] = round(report["quantize_s"], 1)
-                entry["kept"] = {}
-                chosen = report["chosen"]
-                entry["scheme"] = "auto: " + ", ".join(f"{s} {n}" for s, n in chosen["schemes"].items())
-                entry["scheme"] += f" ({chosen['bits_per_weight']:.2f} bits/weight)"
-            else:
-                report = json.loads(stdout)
-                entry["quantize_s"] = round(report["quantize_s"], 1)
-                entry["kept"] = {
-                    e["name"]: e["reason"]
-                    for e in report["modules"]
-                    if e["precision"].startswith("skipped") and e["reason"] != "ignored by pattern"
-                }
+            if not selected(vid, args.only):
+                continue
+            entry = dict(id=vid, model=key, label=label, scheme=scheme, dir=str(work / "ckpt" / vid),
+                         layout=layout + (" + fp8 KV cache" if "--kv-cache" in extra else ""),
+                         prompts=prompts, kv_cache="--kv-cache" in extra)  # fmt: skip
+            if "--algorithm" in extra:
+                entry["algorithm"] = extra[extra.index("--algorithm") + 1]
+            _quantize_variant(entry, src, layout, extra, calib)
             plan.append(entry)
             print(f"quantized {vid} in {entry.get('quantize_s')} s", flush=True)
     (work / "plan.json").write_text(json.dumps(plan, indent=1))
+
+
+def _quantize_variant(entry: dict, src: Path, layout: str, extra: tuple[str, ...], calib: Path) -> None:
+    """`mixprec quantize` into entry["dir"] (or the checkpoint a previous run left there), and what its
+    report says into `entry`: the time, the Linears kept in high precision, or the error."""
+    out = Path(entry["dir"])
+    cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(src), "--output", str(out),
+           "--scheme", entry["scheme"], "--format", layout, "--json", "--force"]  # fmt: skip
+    rest = list(extra)
+    if "--calib" in rest:
+        rest.remove("--calib")
+        # static scales from 8 x 128 tokens: enough for a serving check (not a quality figure); a
+        # variant's own --calib-samples comes later on the command line and wins
+        cmd += ["--calib-data", str(calib), "--calib-samples", "8", "--calib-seq-len", "128"]
+    saved = out.parent / f"{entry['id']}.report.json"  # a rerun reuses what is already quantized
+    t0 = time.perf_counter()
+    if saved.exists() and (out / "config.json").exists():
+        stdout = saved.read_text()
+    else:
+        done = subprocess.run(cmd + rest, capture_output=True, text=True)
+        if done.returncode:
+            entry["quantize_error"] = (done.stderr.strip().splitlines() or ["?"])[-1]
+            return
+        saved.write_text(json.dumps({**json.loads(done.stdout), "quantize_s": time.perf_counter() - t0}))
+        stdout = saved.read_text()
+    report = json.loads(stdout)
+    entry["quantize_s"] = round(report["quantize_s"], 1)
+    entry["kept"] = {}
+    if entry["scheme"] == "auto":  # --json prints the auto report: the chosen scheme of every Linear
+        chosen = report["chosen"]
+        entry["scheme"] = "auto: " + ", ".join(f"{s} {n}" for s, n in chosen["schemes"].items())
+        entry["scheme"] += f" ({chosen['bits_per_weight']:.2f} bits/weight)"
+    else:
+        entry["kept"] = {
+            e["name"]: e["reason"]
+            for e in report["modules"]
+            if e["precision"].startswith("skipped") and e["reason"] != "ignored by pattern"
+        }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -331,7 +366,10 @@ def compare(args: argparse.Namespace) -> None:
         vres = json.loads(vres_path.read_text()) if vres_path.exists() else {"ok": False, "reason": "not run"}
         # results recorded before the check kept vLLM's dtype: vLLM 0.32's CPU "auto" ran bf16 (its log)
         dtype = vres.get("dtype", "bfloat16")
-        row = {k: entry.get(k) for k in ("id", "model", "label", "scheme", "layout", "quantize_s", "kept")}
+        row = {
+            k: entry.get(k)
+            for k in ("id", "model", "label", "scheme", "algorithm", "layout", "quantize_s", "kept")
+        }
         row.update(
             vllm=vres.get("vllm"), cpu=vres.get("cpu"), served=bool(vres.get("ok")), load_s=vres.get("load_s"),
             dtype=dtype,
@@ -487,8 +525,9 @@ def markdown(doc: dict) -> str:
         kept = r.get("kept") or {}
         groups = sorted({n.rsplit(".", 1)[0] + "." + n.rsplit(".", 1)[1] for n in kept})
         kept_s = f"{len(kept)} Linears ({kept[groups[0]].split(' (')[0]})" if kept else "none"
+        scheme = r["scheme"] + (f" + `--algorithm {r['algorithm']}`" if r.get("algorithm") else "")
         lines.append(
-            f"| {r['model']} | {r['scheme']} | {r['layout']} | {served} | {_fmt(r.get('vs_mixprec'))} | "
+            f"| {r['model']} | {scheme} | {r['layout']} | {served} | {_fmt(r.get('vs_mixprec'))} | "
             f"{_fmt(r.get('floor'))} | {amp} | {_fmt(r.get('floor_quantized'))} | {within} | "
             f"{_fmt(r.get('vs_weights_only')) if 'transformers_error' not in r else 'transformers failed: `' + r['transformers_error'][:100] + '`'} | "
             f"{nll} | {r.get('load_s') or '-'} | {kept_s} |"
@@ -503,6 +542,8 @@ def main() -> None:
     a.add_argument("--work", required=True)
     a.add_argument("--texts", required=True, help="prompts and calibration text, one per line")
     a.add_argument("--real", help="a real Hugging Face model directory (optional)")
+    a.add_argument("--only", metavar="GLOB[,GLOB]",
+                   help="only the variants whose id matches (e.g. '*gptq*,*awq'); the unquantized models always")  # fmt: skip
     a = sub.add_parser("serve")
     a.add_argument("--work", required=True)
     a.add_argument("--timeout", type=int, default=3600, help="seconds for one child process")

@@ -4,7 +4,9 @@
 #   WORK_DIR        checkpoints, results (default /tmp/serve-check)
 #   REAL_MODEL_DIR  a real Hugging Face model directory, optional (e.g. SmolLM2-135M as an HF dir)
 # Environment: VLLM_VENV (default /tmp/vllm-venv), PROJECT_PYTHON (default .venv/bin/python),
-#              TEXTS (prompts + calibration text, one per line; default: the built-in corpus).
+#              TEXTS (prompts + calibration text, one per line; default: the built-in corpus),
+#              ONLY (comma-separated globs over the variant ids, e.g. '*gptq*,*awq': only those, and
+#              the unquantized models; default: every variant of serve_check.py's VARIANTS).
 # Writes WORK_DIR/serve_check.json, WORK_DIR/linear.json and WORK_DIR/serve_check.md (the tables of docs/serving.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,7 @@ if [ -z "${TEXTS:-}" ]; then
 lines = [ln.strip() for d in load_corpus(max_chars=400000).documents for ln in d.splitlines()]
 print('\n'.join(ln for ln in lines if len(ln) >= 40))" > "$texts"
 fi
-"$py" bench/serve_check.py prepare --work "$work" --texts "$texts" ${real:+--real "$real"}
+"$py" bench/serve_check.py prepare --work "$work" --texts "$texts" ${real:+--real "$real"} ${ONLY:+--only "$ONLY"}
 VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" "$venv/bin/python" bench/serve_check.py serve --work "$work"
 "$py" bench/serve_check.py compare --work "$work"
 # one Linear, the same activations, through vLLM's own fp8-dynamic code and mixprec's (serve_check_linear.py)

@@ -42,7 +42,8 @@ def _served_fp8_dynamic(work: Path) -> list[dict]:
     plan = json.loads((work / "plan.json").read_text())
     out = []
     for e in plan:
-        if e["scheme"] != "fp8-dynamic" or e.get("kv_cache") or "quantize_error" in e:
+        # plain round to nearest: the algorithms change the weights, not the Linear's computation
+        if e["scheme"] != "fp8-dynamic" or e.get("kv_cache") or e.get("algorithm") or "quantize_error" in e:
             continue
         res = work / "vllm" / f"{e['id']}.json"
         if res.exists() and json.loads(res.read_text()).get("ok"):
