@@ -80,7 +80,9 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=0)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    print(machine())
+    from mixprec.kernels import allocator
+
+    print(machine(), f"allocator: {allocator.keep_freed_memory()}", sep="\n")  # as mixprec evaluate does
     models = load(args.reference, args.candidate)
     vocab = models["bf16 reference"].config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -321,12 +321,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = 5 if args.quick else args.reps
+    from mixprec.kernels import allocator
     from mixprec.kernels.hardware import describe_machine
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"machine: {describe_machine()}; ISA: {_isa()}; {torch.get_num_threads()} threads; "
         f"{platform.platform()}; load {load:.1f}\n"
+        # as mixprec compare / profile / demo do ($MIXPREC_MALLOC=default: glibc's defaults)
+        f"allocator: {allocator.keep_freed_memory()}\n"
     )
     if args.optimizer:
         print(optimizer_table(max(reps, 10), args.layers, args.width))

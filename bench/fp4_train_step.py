@@ -71,9 +71,10 @@ def main() -> None:
     args = ap.parse_args()
     rounds = 3 if args.quick else args.rounds
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    from mixprec.kernels import emulation
+    from mixprec.kernels import allocator, emulation
     from mixprec.kernels.hardware import describe_machine
 
+    allocator.keep_freed_memory()  # as mixprec compare / demo do ($MIXPREC_MALLOC=default: glibc's)
     names = list(CASES)
     if emulation.native_bf16():
         names += [c + FP32_EMULATION for c in CASES if c.startswith("fp4")]
@@ -89,7 +90,7 @@ def main() -> None:
             one_step(m, t, ids, _emulation_of(k))
             times[k].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{describe_machine()}; {emulation.describe()}")
+    print(f"{describe_machine()}; {emulation.describe()}; allocator: {allocator.describe()}")
     print(
         f"reference Llama hidden {args.hidden}, {args.layers} layers, {args.batch}x{args.seq} tokens, vocab "
         f"{args.vocab}, {torch.get_num_threads()} threads, median of {rounds} interleaved rounds\n"

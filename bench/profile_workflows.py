@@ -576,7 +576,10 @@ def main() -> int:
     names = [w for w in args.workflows.split(",") if w]
     if set(names) - set(WORKFLOWS):
         ap.error(f"unknown workflows {sorted(set(names) - set(WORKFLOWS))}; valid: {', '.join(WORKFLOWS)}")
-    print(f"machine: {machine()}\n")
+    from mixprec.kernels import allocator
+
+    # as the compute commands do ($MIXPREC_MALLOC=default: glibc's defaults)
+    print(f"machine: {machine()}\nallocator: {allocator.keep_freed_memory()}\n")
     k_ref, _ = gemm_ratio(Counter({(1024, 1024, 1024): 1}))
     print(f"k at 1024^3: fp32 / bf16 torch.mm time = {k_ref:.2f}\n")
     docs = []

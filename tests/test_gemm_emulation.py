@@ -60,12 +60,12 @@ def checked_operands(monkeypatch):
     calls = []
     original = gemm._matmul
 
-    def checking(arith, x, y, op=torch.mm):
+    def checking(arith, x, y, op=torch.mm, bf16_out=False):
         if arith == "bf16":
             assert emulation.is_bf16_exact(x), "left operand not exact in bf16"
             assert emulation.is_bf16_exact(y), "right operand not exact in bf16"
-            calls.append((tuple(x.shape), tuple(y.shape)))
-        return original(arith, x, y, op)
+            calls.append((tuple(x.shape), tuple(y.shape), bf16_out))
+        return original(arith, x, y, op, bf16_out)
 
     monkeypatch.setattr(gemm, "_matmul", checking)
     return calls
@@ -89,7 +89,7 @@ def test_blockwise_scales_multiply_fp32_partials_per_k_chunk(gen, checked_operan
     a, b = _operands("1x128 x 128x128", 32, 256, 512, gen)
     with emulation.forced("bf16"):
         scaled_mm(a, b)
-    assert checked_operands == [((4, 32, 128), (4, 128, 256))]  # one batched GEMM over 4 K-chunks
+    assert checked_operands == [((4, 32, 128), (4, 128, 256), False)]  # one batched GEMM over 4 K-chunks
 
 
 def test_fp4_with_k_uniform_scales_is_exact_then_scaled_once(gen):
@@ -126,6 +126,41 @@ def test_exact_sums_are_bit_identical(case, gen):
     with emulation.forced("bf16"):
         bf16 = scaled_mm(a, b)
     assert torch.equal(bf16, fp32)
+
+
+@pytest.mark.parametrize("case", ["mxfp4", "mxfp8"])
+def test_bf16_output_comes_from_the_bf16_gemm_when_no_scale_is_left(case, gen, checked_operands):
+    # MX scales sit inside the operands: with a bf16 output and no bias the GEMM rounds its own fp32
+    # sums to bf16 (one rounding, as the fp32 path's cast): bit-identical where the sums are exact
+    fa, ga, fb, gb = CASES[case]
+    top = 6 if fa == "e2m1" else 16
+    x = torch.randint(-top, top + 1, (32, 512), generator=gen).float()
+    w = torch.randint(-top, top + 1, (48, 512), generator=gen).float()
+    x[:, ::32], w[:, ::32] = top, top  # every block holds the amax: one scale for all
+    a, b = quantize(x, fa, ga), quantize(w, fb, gb)
+    with emulation.forced("fp32"):
+        fp32 = scaled_mm(a, b, out_dtype=torch.bfloat16)
+    with emulation.forced("bf16"):
+        bf16 = scaled_mm(a, b, out_dtype=torch.bfloat16)
+    assert checked_operands == [((32, 512), (512, 48), True)]
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32)
+    # random operands: within the fp32 summation bound plus the one bf16 rounding of the result
+    a, b = _operands(case, 40, 24, 256, gen)
+    with emulation.forced("bf16"):
+        out = scaled_mm(a, b, out_dtype=torch.bfloat16).double()
+    ref = _reference(a, b)
+    assert bool(((out - ref).abs() <= _bound(a, b, 256) + ref.abs() * 2.0**-8).all())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_outputs_that_need_fp32_sums_keep_them(bias, gen, checked_operands):
+    # a bias (added to the fp32 sums before the one rounding) or NVFP4's global scale (divides them)
+    case = "mxfp8" if bias else "nvfp4"
+    a, b = _operands(case, 16, 32, 128, gen)
+    extra = torch.randn(32, generator=gen) if bias else None
+    with emulation.forced("bf16"):
+        out = scaled_mm(a, b, out_dtype=torch.bfloat16, bias=extra)
+    assert out.dtype == torch.bfloat16 and [c[2] for c in checked_operands] == [False]
 
 
 def test_bias_and_leading_dims_follow_the_fp32_path(gen):

@@ -1,7 +1,9 @@
 """The `mixprec` command (also `python -m mixprec`): a thin dispatcher. Each subcommand lives in
 mixprec/commands/<name>.py and defines NAME, HELP, add_arguments(parser) and run(args) -> int (0 ok,
 1 a gate or verdict failed), and TORCHRUN = True if it runs data-parallel under torchrun (every other
-command refuses a multi-process torchrun launch before any work: mixprec.commands.torchrun)."""
+command refuses a multi-process torchrun launch before any work: mixprec.commands.torchrun), and
+KEEPS_FREED_MEMORY = True for the compute workflows that run faster when the C allocator keeps freed
+memory (mixprec.kernels.allocator; never the streaming quantize, whose peak memory is a promise)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from mixprec.commands import (
     torchrun,
 )
 from mixprec.errors import MixprecError
-from mixprec.kernels import emulation
+from mixprec.kernels import allocator, emulation
 from mixprec.ranks import launched_rank
 
 COMMANDS = (
@@ -61,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMANDS:
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
-        command.set_defaults(_run=module.run, _torchrun=getattr(module, "TORCHRUN", False))
+        command.set_defaults(
+            _run=module.run,
+            _torchrun=getattr(module, "TORCHRUN", False),
+            _keep_freed=getattr(module, "KEEPS_FREED_MEMORY", False),
+        )
     return parser
 
 
@@ -82,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             raise MixprecError(refusal)
         emulation.requested()  # a bad $MIXPREC_GEMM_EMULATION fails here, before any work
         emulation.set_backend(args.gemm_emulation)
+        if args._keep_freed:
+            allocator.requested()  # a bad $MIXPREC_MALLOC fails here, before any work
+            allocator.keep_freed_memory()
         return int(args._run(args) or 0)
     except MixprecError as err:
         if args.debug:

@@ -110,7 +110,6 @@ def check_operand(q: QuantizedTensor, what: str) -> None:
 def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
     """fp32 [rows, K] values: decoded payload times its block's scale (in place when blocks tile exactly)."""
     rows, cols = q.data.shape
-    br, bc = q.granularity.block_shape(rows, cols)
     if torch.compiler.is_compiling():  # out of place, no data_ptr() (a graph break); same products
         return decode(q.data, q.fmt) * expand_scale(q.effective_scale(), q.granularity, rows, cols)
     # the CPU's E4M3 decode gives values * 2^-8 (formats.decode_unscaled): the 2^8 joins the scales,
@@ -122,6 +121,15 @@ def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
         values, scale = values.mul_(factor), multiplier
     if values.data_ptr() == q.data.data_ptr():
         values = values.clone()
+    return _times_block_scales(values, scale, q.granularity)
+
+
+def _times_block_scales(values: torch.Tensor, scale: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """values (fp32 [rows, K], owned by the caller) times each block's scale: in place, in storage
+    order, where the blocks tile it exactly (a transposed payload view's decode is strided, and a
+    multiply that reads it across its storage is ~10x slower); else a new tensor."""
+    rows, cols = values.shape
+    br, bc = g.block_shape(rows, cols)
     if rows % br == 0 and cols % bc == 0:
         if values.is_contiguous():
             values.view(rows // br, br, cols // bc, bc).mul_(scale[:, None, :, None])
@@ -129,7 +137,7 @@ def dequantize_blockwise(q: QuantizedTensor) -> torch.Tensor:
         if values.t().is_contiguous():  # a transposed payload view: scale its storage in order
             values.t().view(cols // bc, bc, rows // br, br).mul_(scale.t()[:, None, :, None])
             return values
-    return apply_blockwise(values, scale, q.granularity, torch.mul)
+    return apply_blockwise(values, scale, g, torch.mul)
 
 
 def _folded_scale(scale: torch.Tensor, factor: float) -> torch.Tensor | None:
@@ -174,12 +182,14 @@ def _emulated(
     if arith == "bf16" and not (_bf16_exact_format(a.fmt) and _bf16_exact_format(b.fmt)):
         arith = "fp32"
     if k_block(a.granularity, k) != k or k_block(b.granularity, k) != k:
-        out = _blocked_bf16(a, b) if arith == "bf16" else None
+        # without a bias a bf16 output may come straight from the bf16 GEMM (_blocked_bf16 says when)
+        bf16_out = out_dtype == torch.bfloat16 and bias is None
+        out = _blocked_bf16(a, b, bf16_out) if arith == "bf16" else None
         if out is None:
             out = dequantize_blockwise(a) @ dequantize_blockwise(b).t()
         if bias is not None:
             out.add_(bias.float())
-        return out if out_dtype == torch.float32 else out.to(out_dtype)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     # payload products accumulated in fp32, then the scales: what a tensorwise/rowwise kernel does
     (va, fa), (vb, fb) = _values_unscaled(a), _values_unscaled(b)
     vb = vb.t()
@@ -233,7 +243,9 @@ def _emulated(
 # sums are exact (E2M1 payloads; FP8 over short K) the result is bit-identical. K-blocked fp32 scales
 # (1x128, 128x128) are not bf16 values: the GEMM is split per K-chunk and the scales multiply the fp32
 # partials, as a blockwise kernel does (each partial is exact where the fp32 path rounds each scaled
-# element instead: a bound, not bit-identity). NVFP4's global scales divide the result once.
+# element instead: a bound, not bit-identity). NVFP4's global scales divide the result once. Where
+# every scale sits inside the operands (MX) and the output is bf16 without a bias, the GEMM runs on bf16
+# tensors with bf16 output: its fp32 sums rounded once, as the fp32 path rounds its sums once.
 
 _BF16_TINY = 2.0**-63  # operand values at or above it keep every product above fp32/bf16 subnormals
 _BF16_HUGE = 2.0**63  # and below it every product below fp32's overflow
@@ -245,10 +257,18 @@ def _bf16_exact_format(fmt) -> bool:
     return fmt.mantissa_bits <= 7 and fmt.exponent_bits < 8
 
 
-def _matmul(arith: str, x: torch.Tensor, y: torch.Tensor, op=torch.mm) -> torch.Tensor:
-    """op(x, y) on the chosen arithmetic: the one place the emulation's matmuls run (bf16-exact x, y)."""
+def _matmul(
+    arith: str, x: torch.Tensor, y: torch.Tensor, op=torch.mm, bf16_out: bool = False
+) -> torch.Tensor:
+    """op(x, y) on the chosen arithmetic: the one place the emulation's matmuls run (bf16-exact x, y).
+    bf16_out: the fp32 sums rounded once to bf16 — on the bf16 units a GEMM of bf16 operands with bf16
+    output (its own single rounding; no fp32 result is written, ~2x faster on AMX), else op(x, y)
+    rounded to bf16."""
+    if bf16_out and arith == "bf16" and emulation.native_bf16():
+        return op(x.to(torch.bfloat16), y.to(torch.bfloat16))
     with emulation.gemm_context(arith):
-        return op(x, y)
+        out = op(x, y)
+    return out.to(torch.bfloat16) if bf16_out else out
 
 
 @dataclass(frozen=True)
@@ -282,13 +302,19 @@ def _bf16_operand(q: QuantizedTensor) -> _Bf16Operand | None:
         or float(nonzero.max()) * q.fmt.max >= _BF16_HUGE
     ):
         return None
-    values = apply_blockwise(decode(q.data, q.fmt), scales, g, torch.mul)
+    # E8M0 / E4M3 block scales times the decode's power of two (no overflow: checked above)
+    unscaled, factor = decode_unscaled(q.data, q.fmt)
+    if unscaled.data_ptr() == q.data.data_ptr():
+        unscaled = unscaled.clone()
+    values = _times_block_scales(unscaled, scales * factor if factor != 1.0 else scales, g)
     divisor = None if q.global_scale is None else q.global_scale.float().reshape(())
     return _Bf16Operand(values, torch.ones(1, 1, device=values.device), k, divisor)
 
 
-def _blocked_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
-    """fp32 [M, N] for operands with K-blocked scales, on the bf16 units; None where it cannot."""
+def _blocked_bf16(a: QuantizedTensor, b: QuantizedTensor, bf16_out: bool = False) -> torch.Tensor | None:
+    """fp32 [M, N] for operands with K-blocked scales, on the bf16 units; None where it cannot.
+    bf16_out: the caller wants the result rounded to bf16; where no scale is left to multiply the sums
+    (E8M0 block scales, NVFP4 without a global scale) it comes back in bf16 from the GEMM itself."""
     k = a.data.shape[1]
     if emulation.requested() != "bf16" and any(
         q.granularity.scale_format == "fp32" and k_block(q.granularity, k) != k for q in (a, b)
@@ -305,6 +331,8 @@ def _blocked_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None
     chunk = math.gcd(*blocks) if blocks else k
     if chunk < min(_MIN_K_BLOCK, k):  # blockings sharing only short chunks (1x40 and 1x128: 8)
         return None
+    if chunk == k and bf16_out and _scales_inside(pa) and _scales_inside(pb):
+        return _matmul("bf16", pa.values, pb.values.t(), bf16_out=True)
     if chunk == k:
         out = _matmul("bf16", pa.values, pb.values.t())
         out.mul_(pa.row_scales[0][:, None]).mul_(pb.row_scales[0][None, :])
@@ -314,6 +342,11 @@ def _blocked_bf16(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None
         if divisor is not None:
             out.div_(divisor)
     return out
+
+
+def _scales_inside(op: _Bf16Operand) -> bool:
+    """Every scale of the operand is inside its bf16-exact values: nothing multiplies or divides the sums."""
+    return op.divisor is None and op.row_scales.numel() == 1 and bool(op.row_scales.eq(1).all())
 
 
 def _chunk_scales(op: _Bf16Operand, chunks: int, chunk: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from mixprec.errors import MixprecError
 from mixprec.verdicts import DIFFERENT, EQUIVALENT, INCONCLUSIVE, WORSE
 
 NAME = "compare"
+KEEPS_FREED_MEMORY = True  # its GEMM emulation runs faster so (mixprec.kernels.allocator)
 HELP = (
     "train one model under several precision recipes (same weights, same data order) and judge the loss gaps"
 )

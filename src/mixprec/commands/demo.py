@@ -12,6 +12,7 @@ from mixprec.demo import CONTROLS, DETECTED, REAL_RECIPES, run_demo
 from mixprec.verdicts import EQUIVALENT
 
 NAME = "demo"
+KEEPS_FREED_MEMORY = True  # its GEMM emulation runs faster so (mixprec.kernels.allocator)
 HELP = "compare bf16/fp8 training of a small built-in Llama (with null runs and a negative control), quantize the result to FP8 and evaluate it"
 
 

@@ -17,6 +17,7 @@ from mixprec.files import check_new_output
 from mixprec.verdicts import DEFAULT_LEVEL, DEFAULT_RESAMPLES
 
 NAME = "evaluate"
+KEEPS_FREED_MEMORY = True  # its GEMM emulation runs faster so (mixprec.kernels.allocator)
 HELP = (
     "compare a candidate (FP8/BF16) model with its reference: perplexity, BLEU/ROUGE-L, cosine, CLIP similarity, "
     "memory, speed; confidence intervals and verdicts"

@@ -19,6 +19,7 @@ from mixprec.inference.schemes import SCHEMES
 from mixprec.ranks import launched_rank
 
 NAME = "finetune"
+KEEPS_FREED_MEMORY = True  # its GEMM emulation runs faster so (mixprec.kernels.allocator)
 TORCHRUN = True  # runs data-parallel under torchrun (mixprec.cli lets it through)
 HELP = (
     "fine-tune for a quantization scheme (QAT) or LoRA adapters over the quantized model, with an optional "

@@ -37,6 +37,7 @@ from mixprec.sensitivity import (
 )
 
 NAME = "profile"
+KEEPS_FREED_MEMORY = True  # its GEMM emulation runs faster so (mixprec.kernels.allocator)
 HELP = (
     "what-if precision profile: per layer and tensor, the saturation, underflow and SNR every FP8 recipe "
     "would give, from a few high-precision passes (no FP8 run); the layers to keep in bf16"

@@ -1,0 +1,85 @@
+"""Keep freed memory in the process for the compute workflows (training, comparison, profile, evaluate).
+
+glibc hands a freed block of 128 KiB or more back to the kernel (its mmap threshold, which adapts up to
+32 MiB, and heap trimming above the trim threshold), so the next tensor of that size is fresh pages:
+one page fault per 4 KiB on its first write. An emulated FP8 GEMM allocates and frees about a dozen
+[tokens, hidden] buffers per call (decoded operands, scaled copies, the fp32 result). On the AMX
+Xeon (2026-12-06, glibc's thresholds set to these values through GLIBC_TUNABLES, one probe each) a
+2048 x 1024 x 1024 MX scaled_mm took 8.0 ms with glibc's defaults against 4.1 ms, and a fp8-current
+training step 139 ms against 113 ms in two separate bench runs (issue 27).
+PyTorch's and Intel's CPU tuning guides preload jemalloc or tcmalloc for the same reason; a running
+process cannot preload an allocator, so this sets glibc's two thresholds with mallopt: blocks up to
+32 MiB (glibc's largest mmap threshold) come from the heap, and the heap's top is trimmed only when
+more than 2 GiB of it is free.
+
+The cost: the resident size stays near its peak instead of shrinking after a phase, and heap
+fragmentation can raise the peak a little. The streaming quantize, whose peak memory is a promise
+(issue 30), does not call it; commands that do say so with KEEPS_FREED_MEMORY = True. No-op off glibc
+(musl, macOS, Windows) and when $MIXPREC_MALLOC is "default".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+from mixprec.errors import MixprecError
+
+ENV_VAR = "MIXPREC_MALLOC"
+CHOICES = ("keep", "default")
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: larger values are refused
+_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the heap's top is trimmed only above 2 GiB free
+
+_state: list[str] = []  # what keep_freed_memory() did, once
+
+
+def requested() -> str:
+    value = os.environ.get(ENV_VAR, "").strip().lower() or "keep"
+    if value not in CHOICES:
+        raise MixprecError(f"environment variable {ENV_VAR}={value!r}: valid values are {', '.join(CHOICES)}")
+    return value
+
+
+def keep_freed_memory() -> str:
+    """Set glibc's thresholds (once per process); returns what this process's allocator does now."""
+    if _state:
+        return _state[0]
+    _state.append(_apply())
+    return _state[0]
+
+
+def _apply() -> str:
+    if requested() == "default":
+        return f"the C library's defaults (${ENV_VAR}=default)"
+    libc = _glibc()
+    if libc is None:
+        return "the C library's defaults (not glibc)"
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    if not ok:
+        return "the C library's defaults (glibc refused mallopt)"
+    return "freed memory kept (glibc: mmap threshold 32 MiB, trim threshold 2 GiB)"
+
+
+def _glibc():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.gnu_get_libc_version  # noqa: B018 (present on glibc only)
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def describe() -> str:
+    """One phrase for reports: what the allocator does in this process."""
+    return _state[0] if _state else "the C library's defaults"
+
+
+__all__ = ["CHOICES", "ENV_VAR", "describe", "keep_freed_memory", "requested"]

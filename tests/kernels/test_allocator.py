@@ -1,0 +1,87 @@
+"""mixprec.kernels.allocator: the compute commands keep freed memory in the process (glibc mallopt), the
+streaming quantize does not, and $MIXPREC_MALLOC is checked before any work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mixprec.cli import build_parser, main
+from mixprec.commands import demo as demo_cmd
+from mixprec.errors import MixprecError
+from mixprec.kernels import allocator
+
+# 20 rounds of four 8 MiB buffers written once and freed, as an emulated GEMM's operands and results
+# are: the page faults they cost (ru_minflt)
+_FAULTS = """
+import resource, torch
+from mixprec.kernels import allocator
+print(allocator.keep_freed_memory())
+def round_of_buffers():
+    buffers = [torch.empty(1 << 21).fill_(1.0) for _ in range(4)]
+    del buffers
+round_of_buffers()  # the first round faults whatever the setting
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    round_of_buffers()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(setting: str) -> tuple[str, int]:
+    env = dict(os.environ, MIXPREC_MALLOC=setting)
+    out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True)
+    said, faults = out.stdout.strip().splitlines()
+    return said, int(faults)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+def test_kept_freed_memory_spares_the_page_faults_of_each_new_buffer():
+    default_said, default_faults = _faults("default")
+    kept_said, kept_faults = _faults("keep")
+    assert "default" in default_said
+    if allocator._glibc() is None:
+        pytest.skip("not glibc: " + kept_said)
+    assert kept_said.startswith("freed memory kept")
+    # glibc's defaults: the freed top of the heap is trimmed, so each round's buffers are fresh pages
+    # (2048 faults per 8 MiB); kept: the same pages again (at most a round's worth while the heap settles)
+    assert default_faults >= 20 * 4 * 1000
+    assert kept_faults * 5 <= default_faults
+
+
+def test_a_bad_setting_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(allocator.ENV_VAR, "jemalloc")
+    with pytest.raises(MixprecError, match=r"MIXPREC_MALLOC='jemalloc'.*keep, default"):
+        allocator.requested()
+
+
+def test_the_command_checks_the_setting_before_any_work(monkeypatch, capsys):
+    monkeypatch.setenv(allocator.ENV_VAR, "jemalloc")
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: pytest.fail("applied a bad setting"))
+    monkeypatch.setattr(demo_cmd, "run", lambda args: pytest.fail("the demo started"))
+    assert main(["demo"]) == 2
+    assert "MIXPREC_MALLOC" in capsys.readouterr().err
+
+
+def test_only_the_compute_commands_keep_freed_memory():
+    parser = build_parser()
+    keeps = {
+        name
+        for name in ("compare", "demo", "profile", "evaluate", "finetune", "quantize", "inspect", "convert")
+        if parser.parse_args([name, *_required(name)])._keep_freed
+    }
+    assert keeps == {"compare", "demo", "profile", "evaluate", "finetune"}
+
+
+def _required(name: str) -> list[str]:
+    """The fewest arguments each command parses with (nothing runs)."""
+    return {
+        "quantize": ["--model", "m", "--output", "o"],
+        "inspect": ["ckpt"],
+        "convert": ["ckpt", "out", "--to", "hf-fp8"],
+        "evaluate": ["--reference", "r", "--candidate", "c", "--data", "d"],
+        "finetune": ["--model", "m", "--scheme", "nvfp4a16", "--mode", "qat", "--data", "d", "--output", "o"],
+    }.get(name, [])
