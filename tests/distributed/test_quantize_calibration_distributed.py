@@ -30,17 +30,23 @@ SCENARIOS = {
     "gptq-one-batch": ("fp8-dynamic", dict(algorithm="gptq", calib_samples=4)),
 }
 # GPTQ against one process: the Hessians differ by the order of their fp32 sums (rank 0's batches, then
-# rank 1's, against batch after batch), so some codes round the other way, and with sequential
-# propagation block 1 sees block 0's flips. Measured here (tiny fp32 Llama, 2 blocks, 14 Linears, 3
-# batches of 4 x 32 tokens, one thread per process): codes differing at most 0.15 % of a Linear's
-# (nvfp4a16) and 1.5 % (fp8-dynamic, block 1; block 0 at most 0.1 %); the dequantized weights differ by at
-# most 1.1 % in relative Frobenius norm; the records' GPTQ output error by at most 0.3 % relative, the
-# round-to-nearest output error and the dampening (computed from the Hessian alone) by at most 7e-6.
-# With one batch (one rank has none) the summed Hessian is the one process's bit for bit: so is all.
-# The bounds, with headroom:
-MAX_CODES_DIFFERING = 0.03  # share of a Linear's codes
-MAX_WEIGHT_DIFF = 0.02  # ||dequantized - one process's|| / ||one process's||
-RECORD_RTOL = {"output_error": 0.01, "output_error_rtn": 1e-4, "damp": 1e-4}
+# rank 1's, against batch after batch), so some codes round the other way. Block 0 reads the same inputs
+# on both sides, so only that sum order separates them; block 1 reads block 0's outputs, which carry block
+# 0's flipped codes, and GPTQ's error feedback spreads such differences chaotically. Measured (tiny fp32
+# Llama, 2 blocks, 14 Linears, 3 batches of 4 x 32 tokens, one thread per process), as the worst Linear of:
+#                           block 0                      block 1
+#                           codes   weights  GPTQ err    codes   weights  GPTQ err  RTN err, damp
+#   AVX-512-BF16 EPYC       0.1 %   < 1.1 %  < 0.3 %     1.5 %   1.1 %    0.3 %     7e-6
+#   AMX Xeon (2026-12-06)   0.34 %  0.41 %   0.15 %      6.2 %   1.6 %    2.8 %     3.1e-5
+# (codes: share of a Linear's codes that differ; weights: ||dequantized - one process's|| / ||one
+# process's||; GPTQ err and RTN err: relative difference of the records' output errors; damp: of the
+# dampening, computed from the Hessian alone.) With one batch (one rank has none) the summed Hessian is
+# the one process's bit for bit: so is all. The bounds, with headroom; block 0's RTN error and dampening
+# bounds are what catch a Hessian that lost a rank's batches (that moves them by tens of per cent):
+BOUNDS = {  # block: (codes, weights, {record key: rtol})
+    0: (0.03, 0.02, {"output_error": 0.01, "output_error_rtn": 1e-4, "damp": 1e-4}),
+    1: (0.12, 0.04, {"output_error": 0.06, "output_error_rtn": 1e-3, "damp": 1e-3}),
+}
 
 
 def _calibrate(model_dir, text, out, scheme: str, *, layer_by_layer=True, observer="max", kv_cache=None,
@@ -166,12 +172,13 @@ def test_gptq_rounds_the_same_on_every_rank_and_as_one_process_up_to_sum_order(
         mine = a["rounded"][n]
         codes = float((mine["data"].view(torch.uint8) != q["data"].view(torch.uint8)).float().mean())
         diff = float((mine["dequantized"] - q["dequantized"]).norm() / q["dequantized"].norm())
-        assert codes <= MAX_CODES_DIFFERING and diff <= MAX_WEIGHT_DIFF, (n, codes, diff)
+        max_codes, max_diff, record_rtol = BOUNDS[int(n.split(".")[2])]
+        assert codes <= max_codes and diff <= max_diff, (n, codes, diff)
         if scenario == "gptq-one-batch":  # the same Hessians: the same rounding
             assert codes == 0 and a["layers"][n] == one["layers"][n], n
         rec, ref = a["layers"][n], one["layers"][n]
         assert rec["tokens"] == ref["tokens"] and rec["dead_inputs"] == ref["dead_inputs"], n
-        for key, rtol in RECORD_RTOL.items():
+        for key, rtol in record_rtol.items():
             assert rec[key] == pytest.approx(ref[key], rel=rtol), (n, key)
 
 
