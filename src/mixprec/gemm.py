@@ -296,11 +296,10 @@ def _bf16_operand(q: QuantizedTensor) -> _Bf16Operand | None:
             grid = grid.repeat_interleave(g.block_shape(rows, k)[0], dim=0)[:rows]
         return _Bf16Operand(values, grid.t().contiguous(), k_block(g, k), None)
     scales = q.scale.float()
-    nonzero = scales[scales > 0]
-    if nonzero.numel() and (
-        float(nonzero.min()) * q.fmt.min_subnormal < _BF16_TINY
-        or float(nonzero.max()) * q.fmt.max >= _BF16_HUGE
-    ):
+    # the smallest non-zero scale without boolean indexing (its nonzero() cost ~0.9 ms a 2048x1024x1024
+    # NVFP4 GEMM); no non-zero scale: +inf and 0, which pass both checks
+    smallest = torch.where(scales > 0, scales, math.inf).amin()
+    if float(smallest) * q.fmt.min_subnormal < _BF16_TINY or float(scales.amax()) * q.fmt.max >= _BF16_HUGE:
         return None
     # E8M0 / E4M3 block scales times the decode's power of two (no overflow: checked above)
     unscaled, factor = decode_unscaled(q.data, q.fmt)

@@ -117,6 +117,10 @@ def test_bad_inputs_are_named(gen):
         gptq_quantize(w, -torch.eye(32), "e4m3", Granularity.rows(), damp=0.0)
     with pytest.raises(MixprecError, match="no calibration rows"):
         HessianAccumulator(4).finish()
+    for given in (dict(scale=torch.tensor([[0.0]])), dict(global_scale=torch.tensor([float("inf")]))):
+        g = Granularity.tensor() if "scale" in given else Granularity.nvfp4()
+        with pytest.raises(MixprecError, match=r"o_proj: a given .*scale must be finite and positive"):
+            gptq_quantize(w, torch.eye(32), "e4m3" if "scale" in given else "e2m1", g, name="o_proj", **given)
 
 
 def _old_chain(h: torch.Tensor, damp: float, order: torch.Tensor | None) -> torch.Tensor:
@@ -197,3 +201,63 @@ print((hwm() - base) / (k * k * 4))
         pytest.skip("peak RSS from /proc (Linux)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout) < 0.25  # measured 0.0; with copies at each step: 2 K x K and more
+
+
+STACKED = {  # scheme name: the rows of three Linears that read one input (q/k/v-like)
+    "fp8 per-channel": (96, 32, 32),
+    "fp8 per-tensor": (96, 32, 32),  # with the shared scale fixed up front, as fp8-static's fused shards
+    "fp8 128x128": (256, 128, 128),
+    "nvfp4": (96, 32, 32),  # with the shared global scale
+    "mxfp4": (96, 32, 32),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(STACKED))
+def test_a_stacked_solve_rounds_each_linear_as_its_own_solve_bit_for_bit(scheme, gen):
+    """GptqPass solves Linears that share a Hessian as one stacked weight: GPTQ works row by row, so
+    each Linear's rows (payload, scales, clipped count) come out as its own solve's. (Measured
+    bit-identical on the AMX Xeon: the lazy update's GEMM sums each output in the same order whatever
+    the number of rows.)"""
+    from mixprec.inference.algorithms.gptq_pass import split_rows
+
+    fmt, g = SCHEMES[scheme]
+    _, _, h = _layer(gen, k=256)
+    weights = [torch.randn(n, 256, generator=gen) / 16 for n in STACKED[scheme]]
+    weights[0][:, :3] *= 6  # an outlier-heavy member, so that the members' scales differ
+    scale = quantize(torch.cat(weights), fmt, g).scale if g.block_rows is None else None
+    global_scale = quantize(torch.cat(weights), fmt, g).global_scale
+    stacked = gptq_quantize(torch.cat(weights), h, fmt, g, scale=scale, global_scale=global_scale)
+    assert stacked.clipped_rows.shape == (sum(STACKED[scheme]),)
+    for w, (q, clipped) in zip(weights, split_rows(stacked, [w.shape[0] for w in weights]), strict=True):
+        alone = gptq_quantize(w, h, fmt, g, scale=scale, global_scale=global_scale)
+        assert q.shape == w.shape and clipped == alone.clipped
+        assert torch.equal(q.data.view(torch.uint8), alone.quantized.data.view(torch.uint8))
+        assert torch.equal(q.scale, alone.quantized.scale)
+        assert torch.equal(q.dequantize(), alone.quantized.dequantize())
+
+
+def test_which_linears_stack():
+    """Only what rounds the same together: not members with their own per-tensor or global scale, nor
+    row blocks that would span two members."""
+    from mixprec.inference.algorithms.gptq_pass import stacks
+    from mixprec.inference.schemes import SCHEMES as INFERENCE_SCHEMES
+
+    names = ("q", "k", "v")
+    weights = {"q": torch.zeros(256, 64), "k": torch.zeros(128, 64), "v": torch.zeros(128, 64)}
+    one = torch.tensor(1.0)
+
+    def plan(scheme, shared, w=weights):
+        return stacks(names, dict.fromkeys(names, INFERENCE_SCHEMES[scheme]), shared, w)
+
+    assert plan("nvfp4a16", dict.fromkeys(names, (None, one))) == [names]
+    assert plan("nvfp4a16", {}) == [("q",), ("k",), ("v",)]  # each its own global scale
+    assert plan("nvfp4a16", {"q": (None, one), "k": (None, one), "v": (None, 2 * one)}) == [
+        ("q", "k"),
+        ("v",),
+    ]
+    assert plan("fp8-dynamic", {}) == [names]  # per-channel scales
+    assert plan("fp8-static", dict.fromkeys(names, (one, None))) == [names]  # the shared fixed scale
+    assert plan("fp8-static", {}) == [("q",), ("k",), ("v",)]
+    assert plan("fp8-block", {}) == [names]  # 128-row blocks divide 256 and 128
+    odd = {**weights, "k": torch.zeros(96, 64)}
+    assert plan("fp8-block", {}, odd) == [("q", "v"), ("k",)]
