@@ -262,7 +262,7 @@ def _matmul(
 ) -> torch.Tensor:
     """op(x, y) on the chosen arithmetic: the one place the emulation's matmuls run (bf16-exact x, y).
     bf16_out: the fp32 sums rounded once to bf16 — on the bf16 units a GEMM of bf16 operands with bf16
-    output (its own single rounding; no fp32 result is written, ~2x faster on AMX), else op(x, y)
+    output (its own single rounding; no fp32 result is written), else op(x, y)
     rounded to bf16."""
     if bf16_out and arith == "bf16" and emulation.native_bf16():
         return op(x.to(torch.bfloat16), y.to(torch.bfloat16))
