@@ -21,6 +21,7 @@ from mixprec.quantization import (
     quantize,
     quantize_transposed,
     quantize_with_stats,
+    round_scaled,
 )
 from mixprec.scaling import Granularity, QuantizedTensor, quantization_snr_db
 
@@ -398,6 +399,30 @@ def test_quantize_with_stats(backend, g):
         quantize_with_stats(w, E4M3, g, backend=backend, out=torch.empty(70, 95, dtype=torch.float8_e4m3fn))
     w[3, 4] = math.nan  # NaN / inf: the statistics say so (callers refuse such a weight)
     assert math.isnan(quantize_with_stats(w, E4M3, g, backend=backend)[1].relative_error)
+
+
+ROUND_SCALED_CASES = [  # E4M3 block scales with a global scale are NVFP4's: E2M1 elements only
+    pytest.param(fmt, g, id=f"{fid}-{g.name}")
+    for g in (Granularity.tensor(), Granularity.rows(), Granularity.blocks(128, 128), Granularity.mx(32))
+    for fmt, fid in zip(ELEMENT_FORMATS, FMT_IDS)
+] + [pytest.param(E2M1, Granularity.nvfp4(), id="e2m1-nvfp4")]
+
+
+@pytest.mark.parametrize("fmt, g", ROUND_SCALED_CASES)
+def test_round_scaled_is_quantize_then_dequantize_bit_for_bit(fmt, g):
+    """With the scales quantize chose for a tensor, round_scaled of another tensor of its shape (values
+    past the range, ties, subnormals, signed zeros) is quantize(..., scale=those).dequantize() exactly."""
+    x = _data((200, 96), seed=5)
+    q = quantize(x, fmt, g)
+    multiplier = _expand(q.effective_scale(), g, 200, 96)
+    y = _data((200, 96), seed=6) * 3  # a third past the scales' range, clamped
+    grid = decode(quantize(x, fmt, g).data, fmt) * multiplier  # grid values: exact ties of neighbours
+    y[:50] = grid[:50]
+    y[50:60] = (grid[50:60] + grid[50:60].roll(1, dims=1)) / 2
+    y[60] = -0.0
+    got = round_scaled(y, fmt, multiplier)
+    want = quantize(y, fmt, g, scale=q.scale, global_scale=q.global_scale).dequantize()
+    assert ref.bits_equal(got, want)
 
 
 def test_public_names_are_the_entry():

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format, check_float_tensor, encode_inplace, get_format, raise_if
+from mixprec.formats import Format, cast_to_format, check_float_tensor, encode_inplace, get_format, raise_if
 from mixprec.kernels import compiled, tiled
 from mixprec.kernels.codes import encode_codes_into
 from mixprec.kernels.native import triton_usable, triton_version
@@ -164,6 +164,17 @@ def fake_quantize(
 ) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype: what a quantized operand contributes to a GEMM."""
     return quantize(x, fmt, granularity, **kw).dequantize(x.dtype)
+
+
+def round_scaled(x: torch.Tensor, fmt: str | Format, effective: torch.Tensor) -> torch.Tensor:
+    """quantize(x, fmt, g, scale=...).dequantize() for fp32 x, given each element's dequantization
+    multiplier (`effective`, broadcast against x: QuantizedTensor.effective_scale() spread over its
+    blocks): x / effective rounded saturating to the nearest (even) value of fmt, times effective. The
+    eager backend's division, rounding and product, without its encode and decode (bit for bit, tested),
+    for loops that round a few hundred values per call against scales fixed once (GPTQ's columns: a
+    960 x 576 NVFP4 solve took 61 ms against 151 ms through quantize, one thread, AMX Xeon). x must be
+    finite; nothing is checked."""
+    return cast_to_format(x / effective, fmt).mul_(effective)
 
 
 def backend_available(
@@ -415,4 +426,5 @@ __all__ = [
     "quantize",
     "quantize_transposed",
     "quantize_with_stats",
+    "round_scaled",
 ]

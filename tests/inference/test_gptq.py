@@ -105,6 +105,20 @@ def test_dead_columns_and_given_scales(gen):
     assert torch.equal(w, w_before)  # inputs are not modified
 
 
+def test_nothing_is_clipped_without_updates_where_the_last_row_block_is_partial(gen):
+    """Identity Hessian: no updates, so no value passes its group's range. 200 rows of 128-row blocks
+    (the last holds 72): each row is held to its own block's scale (rows 100-127, in the first block, of
+    large values, would count as clipped against the second block's small one)."""
+    w = (torch.randn(200, 256, generator=gen) / 16).clamp(-0.4, 0.4)
+    w[128:] /= 1024
+    # each block's largest value 448 * 2^k: its scale 2^k exactly, so none lands a rounding past 448
+    w[0, ::128] = 448 * 2.0**-10
+    w[128, ::128] = 448 * 2.0**-20
+    result = gptq_quantize(w, torch.eye(256), "e4m3", Granularity.blocks(128, 128))
+    assert result.clipped == 0
+    assert torch.equal(result.quantized.data, quantize(w, "e4m3", Granularity.blocks(128, 128)).data)
+
+
 def test_bad_inputs_are_named(gen):
     w = torch.randn(8, 32, generator=gen)
     with pytest.raises(MixprecError, match="q_proj: Hessian of shape"):

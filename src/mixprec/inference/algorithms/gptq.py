@@ -5,9 +5,10 @@ pushed onto the columns not yet rounded, weighted by the inverse Hessian of the 
     result = gptq_quantize(weight, hessian.finish(), "e2m1", Granularity.nvfp4())
     q = result.quantized          # a QuantizedTensor with the scales GPTQ chose: what the checkpoint holds
 
-Every column is rounded by the one quantize entry (mixprec.quantization.quantize) with the scheme's own
-granularity and scale rule, given the scales of its group: so with an identity Hessian GPTQ is RTN bit
-for bit (tested), and the checkpoint writer re-encodes the result with the same scales exactly.
+Every group's scales come from the one quantize entry (mixprec.quantization.quantize) with the scheme's
+own granularity and scale rule, and each column is rounded against them by quantization.round_scaled
+(that entry's division, rounding and product without its encode and decode): so with an identity Hessian
+GPTQ is RTN bit for bit (tested), and the result is re-encoded by quantize with the same scales exactly.
 - Groups are the K-blocks of the granularity (NVFP4: 16 columns, MX: 32, 1x128 / 128x128: 128; per
   row and per tensor: all of K). Without activation order a group's scales are chosen from the
   current (already updated) weight when its first column is reached; with activation order the columns
@@ -36,7 +37,7 @@ import torch
 from mixprec.errors import MixprecError
 from mixprec.formats import get_format
 from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
-from mixprec.quantization import quantize
+from mixprec.quantization import quantize, round_scaled
 from mixprec.scaling import Granularity, QuantizedTensor, as_2d, check_scale
 
 DEFAULT_DAMP = 0.01
@@ -273,19 +274,26 @@ class _Solver:
         self.importance = importance  # the scale search's column weights (None: round to nearest's scales)
         self.rounded = torch.empty_like(w)
         self.clipped = torch.zeros(w.shape[0], dtype=torch.int64)  # per output row
+        self._rows = None  # (first column of the group, its multiplier per row, its clip limit per row)
 
     def round_column(self, column: int, values: torch.Tensor) -> torch.Tensor:
-        scale = self.scales[column - column % self.width]
-        # the group's scales came from quantize itself, which checked the global scale, or from
-        # check_scale (_group_scales): not checked again on each of the weight's columns
-        q = quantize(values[:, None], self.fmt, self.g, scale=scale, global_scale=self.global_scale,
-                     validate_scale=False)  # fmt: skip
+        multiplier, limit = self._group_rows(column - column % self.width, values.shape[0])
         # beyond what the scale rule's own rounding clips (Granularity.clip_headroom): what the updates pushed
-        limit = (
-            self.fmt.max * self.g.clip_headroom(self.fmt) * _expand_rows(q.effective_scale(), values.shape[0])
-        )
         self.clipped += values.abs() > limit
-        return q.dequantize()[:, 0]
+        return round_scaled(values, self.fmt, multiplier)
+
+    def _group_rows(self, c0: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's dequantization multiplier per row and the |value| past which a value counts as
+        clipped, made once per group: its scales came from quantize itself (which checked the global
+        scale) or from check_scale (_group_scales), so the columns are not checked again."""
+        if self._rows is None or self._rows[0] != c0:
+            scale = self.scales[c0]
+            effective = (
+                scale if self.global_scale is None else scale / self.global_scale.float().reshape(1, 1)
+            )
+            multiplier = _expand_rows(effective, rows, self.g)
+            self._rows = (c0, multiplier, self.fmt.max * self.g.clip_headroom(self.fmt) * multiplier)
+        return self._rows[1], self._rows[2]
 
     def run(self, hinv: torch.Tensor, order: torch.Tensor | None, block: int) -> None:
         """Blocks of `block` columns (a multiple of the group width, so no group straddles two): within
@@ -298,7 +306,8 @@ class _Solver:
         columns = list(range(wt.shape[0])) if order is None else order.tolist()
         k = wt.shape[0]
         # inference mode: no autograd bookkeeping on the loop's thousands of small ops (a 960 x 576
-        # NVFP4 weight, SmolLM2's stacked q/k/v shape: 300 ms against 387 ms a solve, AMX Xeon); what leaves the loop is written into tensors made
+        # NVFP4 weight, SmolLM2's stacked q/k/v shape, when each column still went through quantize:
+        # 300 ms against 387 ms a solve, AMX Xeon); what leaves the loop is written into tensors made
         # before it (rounded, clipped) or copied out of it (scale_grid's cat)
         with torch.inference_mode():
             for b0 in range(0, k, block):
@@ -341,11 +350,11 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _expand_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """A [row blocks, 1] scale column as one value per row."""
+def _expand_rows(scale: torch.Tensor, rows: int, g: Granularity) -> torch.Tensor:
+    """A [row blocks, 1] scale column as one value per row (the last row block may be partial)."""
     if scale.shape[0] == rows:
-        return scale[:, 0]
-    return scale[:, 0].repeat_interleave(-(-rows // scale.shape[0]))[:rows]
+        return scale[:, 0].contiguous()
+    return scale[:, 0].repeat_interleave(g.block_shape(rows, 1)[0])[:rows]
 
 
 __all__ = [
