@@ -100,7 +100,7 @@ def quantize_mixprec(args: argparse.Namespace, recipe: str, scheme: str) -> Run:
     out = args.work / f"mixprec-{recipe}-{scheme}"
     cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(args.model), "--output", str(out),
            "--scheme", scheme, "--algorithm", recipe, "--force", "--quiet", "--json"]  # fmt: skip
-    if recipe != "rtn":
+    if recipe != "rtn" or not scheme.endswith("a16"):  # activation scales (nvfp4) are calibrated too
         cmd += ["--calib-data", str(args.calib), "--calib-samples", str(args.samples),
                 "--calib-seq-len", str(args.seq_len)]  # fmt: skip
     wall, rss = timed(cmd, args.work / "runs" / f"mixprec-{recipe}-{scheme}.log")

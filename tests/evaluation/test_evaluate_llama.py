@@ -374,3 +374,37 @@ def test_algorithm_needs_a_derived_candidate(eval_env):
         )
     with pytest.raises(MixprecError, match="unknown algorithm"):
         evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="gtpq", data=eval_env["corpus"])
+    with pytest.raises(MixprecError, match=r"--algorithm smoothquant: .* nvfp4a16 quantizes weights only"):
+        evaluate(
+            eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="smoothquant", data=eval_env["corpus"]
+        )
+
+
+def test_fp4_candidate_scheme_folded_by_awq_matches_an_independent_run(eval_env):
+    """--candidate-scheme nvfp4a16 --algorithm awq: the fold runs on the evaluated copy of the reference
+    (the reference itself is left as it is), on the blocks after the evaluated ones."""
+    import mixprec
+
+    calib = 4
+    r = evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="awq", calib_samples=calib,
+                 data=eval_env["corpus"], samples=SAMPLES, seq_len=SEQ, task="lm", progress=False)  # fmt: skip
+    assert r.candidate["source"].startswith("online:nvfp4a16+awq of ")
+    assert (
+        r.candidate["algorithm"]["names"] == ["awq"]
+        and r.candidate["algorithm"]["folds"]["awq"]["folded"] >= 1
+    )
+    from transformers import AutoModelForCausalLM
+
+    docs, _ = read_documents(eval_env["corpus"])
+    blocks = lm_blocks(docs, Tokenizer(eval_env["tokenizer"], "t"), SEQ, SAMPLES + calib)
+    model = AutoModelForCausalLM.from_pretrained(eval_env["llama"]).eval()
+    mixprec.quantize_model_(
+        model, "nvfp4a16", calib_data=[b[None] for b in blocks[SAMPLES:]], algorithm="awq"
+    )
+    with torch.no_grad():
+        logits = model(input_ids=blocks[:SAMPLES]).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:SAMPLES, 1:].reshape(-1))
+    assert r.tasks["lm"]["candidate_perplexity"] == pytest.approx(math.exp(nll.item()), rel=1e-5)
+    plain = evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", calib_samples=calib, data=eval_env["corpus"],
+                     samples=SAMPLES, seq_len=SEQ, task="lm", progress=False)  # fmt: skip
+    assert r.tasks["lm"]["reference_perplexity"] == plain.tasks["lm"]["reference_perplexity"]

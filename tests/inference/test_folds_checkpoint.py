@@ -94,3 +94,34 @@ def test_folds_refused_before_any_work(llama_dir, tmp_path, algorithm, scheme, m
     with pytest.raises(MixprecError, match=message):
         quantize_checkpoint(llama_dir, tmp_path / "q", scheme, algorithm=algorithm, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "scheme"), [("awq", "nvfp4a16"), ("rotate,smoothquant,awq,gptq", "nvfp4")]
+)
+def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, tmp_path, algorithm, scheme):
+    """mixprec.quantize_model_(..., algorithm=<folds>) folds the live model as quantize_checkpoint folds the
+    model it writes (one fold stage, the same tokens): the same rounded weights and the same weights
+    kept in high precision (the rotated embeddings, the untied head, the norms)."""
+    from mixprec.hf import load_tokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        written = quantize_checkpoint(llama_dir, tmp_path / "q", scheme, algorithm=algorithm, calib_data=calib_file,
+                                      progress=False, **CALIB)  # fmt: skip
+        model = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+        report = mixprec.quantize_model_(model, scheme, calib_data=calib_file, tokenizer=load_tokenizer(llama_dir),
+                                         algorithm=algorithm, **CALIB)  # fmt: skip
+    assert list(report.algorithm["folds"]) == list(written.algorithm["folds"])
+    assert report.algorithm["names"] == algorithm.split(",")
+    offline = mixprec.load_quantized(tmp_path / "q")
+    quantized = 0
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            theirs = offline.get_submodule(name).dequantized_weight(torch.float32)
+            assert torch.equal(m.dequantized_weight(torch.float32), theirs), name
+            quantized += 1
+    assert quantized == 14
+    kept = dict(offline.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.float(), kept[name].float()), name

@@ -213,6 +213,10 @@ def test_online_gptq_refuses_what_it_cannot_use(llama_dir):
         mixprec.quantize_model_(model, "fp8-dynamic", algorithm="gptq")
     with pytest.raises(MixprecError, match="token-id tensors"):
         mixprec.quantize_model_(model, "fp8-dynamic", calib_data=[torch.randn(2, 8, 128)], algorithm="gptq")
-    with pytest.raises(MixprecError, match="the folds run in `mixprec quantize`"):
-        mixprec.quantize_model_(model, "nvfp4a16", algorithm="rotate")
+    with pytest.raises(MixprecError, match="'awq' needs calib_data="):
+        mixprec.quantize_model_(model, "nvfp4a16", algorithm="awq")
+    with pytest.raises(MixprecError, match="computes the weight scales itself"):
+        mixprec.quantize_model_(model, "nvfp4a16", algorithm="rotate", scales={"layers": {}})
+    with pytest.raises(MixprecError, match="token-id tensors"):
+        mixprec.quantize_model_(model, "nvfp4a16", calib_data=[torch.randn(2, 8, 128)], algorithm="awq,gptq")
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())

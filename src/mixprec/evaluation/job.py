@@ -133,6 +133,8 @@ def evaluation_job(
             f"--algorithm {spec.label} rounds a candidate derived with --candidate-scheme (an FP8 or FP4 scheme); "
             "a candidate checkpoint was rounded when it was written"
         )
+    if spec.names:
+        spec.check_scheme(InferenceScheme.from_name(scheme))  # e.g. smoothquant on a weight-only scheme
     dev = _device(device)
     models = _model_configs(reference, candidate)
     tasks = _tasks(task, models.kind, gates)

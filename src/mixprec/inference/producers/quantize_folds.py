@@ -22,10 +22,7 @@ from typing import Any
 
 from mixprec.conversion import ConversionReport
 from mixprec.hf import load_model, load_tokenizer, transformers_progress
-from mixprec.inference.algorithms.awq import awq_model_
-from mixprec.inference.algorithms.rotation import rotate_model_
-from mixprec.inference.algorithms.smoothquant import smoothquant_model_
-from mixprec.inference.algorithms.spec import FOLDS, ROTATE, SMOOTHQUANT
+from mixprec.inference.algorithms.fold_stage import fold_model_, fold_names, folds_need_data
 from mixprec.inference.calibration.across_ranks import broadcast_object
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
@@ -43,7 +40,7 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
     `algorithm` (`folds`). selection_of(job, source): the Linears and their schemes (AWQ rounds each
     with its own). run: a resumable quantization's partial run, which keeps the folded model (in its
     work directory, removed with it) and its record, and hands back what an earlier run folded."""
-    folds = [n for n in job.algorithm.names if n in FOLDS]
+    folds = fold_names(job.algorithm)
     if not folds:
         yield job, source
         return
@@ -59,7 +56,7 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
             if is_main_process():
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
-                record = _fold_into(job, source, selection_of(job, source), folds, tmp)
+                record = _fold_into(job, source, selection_of(job, source), tmp)
                 if run is not None:
                     run.save_folds(record)
             record = broadcast_object(record, src=0)
@@ -73,29 +70,16 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _fold_into(job: QuantizeJob, source: Source, selection: Selection, folds: list[str],
-               tmp: Path) -> dict[str, Any]:  # fmt: skip
+def _fold_into(job: QuantizeJob, source: Source, selection: Selection, tmp: Path) -> dict[str, Any]:
     """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready)."""
     with transformers_progress(job.progress):
         model = load_model(job.model_dir, dtype="auto").eval()
     batches = None
-    if any(f != ROTATE for f in folds):
+    if folds_need_data(job.algorithm):
         batches = token_batches(
             source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len
         )
-    params = job.algorithm.folds
-    record: dict[str, Any] = {}
-    for name in folds:
-        if name == ROTATE:
-            rec = rotate_model_(model, seed=params.seed, r2=params.r2)
-            rec = {k: v for k, v in rec.items() if k != "matrices"}  # fp64 matrices: rebuilt from the seed
-        elif name == SMOOTHQUANT:
-            rec = smoothquant_model_(model, batches, alpha=params.alpha)
-        else:  # AWQ: its search rounds with each target's own scheme
-            rec = awq_model_(
-                model, batches, {n: selection.schemes[n] for n in selection.targets}, n_grid=params.n_grid
-            )
-        record[name] = rec
+    record = fold_model_(model, job.algorithm, batches, {n: selection.schemes[n] for n in selection.targets})
     with transformers_progress(job.progress):
         model.save_pretrained(tmp, safe_serialization=True)
     copy_side_files(job.model_dir, tmp, skip={p.name for p in tmp.iterdir()})

@@ -7,7 +7,7 @@ No model code changes: modules are swapped on their parents. The high-precision 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -16,9 +16,10 @@ from torch import nn
 from mixprec.conversion import ConversionReport, replace_submodule
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, check_float_tensor
+from mixprec.inference.algorithms.fold_stage import fold_model_, fold_names, folds_need_data
 from mixprec.inference.algorithms.gptq_pass import GptqPass, rounding_stats
 from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
-from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.layerwise import calibrate_blockwise
 from mixprec.inference.calibration.run import StopRule, calibrate
@@ -92,15 +93,17 @@ def apply_scheme_(
     path with tokenizer=; calibration stops early once the input amax settle (`stop`, default
     StopRule(); calib_samples is the cap) and `report.calibration` says how much it ran and why it
     stopped. scales: a validated scales document (see scales_file) whose weight/input scales are used
-    instead of computing them. algorithm: "gptq" (or an AlgorithmSpec) rounds the weights with GPTQ on
-    calib_data, block by block (every batch runs; static input scales are observed in the same walk);
-    recorded in `report.algorithm`.
+    instead of computing them. algorithm: "gptq", "scale-search", the folds "rotate", "smoothquant",
+    "awq", a comma list or an AlgorithmSpec: the folds change the model in place first (as `mixprec
+    quantize` folds the model it writes), then GPTQ rounds the weights on calib_data, block by block
+    (every batch runs; static input scales are observed in the same walk); recorded in
+    `report.algorithm`.
     """
     sch = InferenceScheme.from_name(scheme)
     spec = _live_algorithm(algorithm, sch)
     patterns = resolve_ignore(ignore, defaults=default_ignore)
     targets, skipped = linear_targets(model, sch, patterns)
-    modules = dict(model.named_modules())
+    _check_live_inputs(spec, targets, scales, calib_data)
     layers_in = (scales or {}).get("layers", {})
     param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     report = ConversionReport(
@@ -108,28 +111,16 @@ def apply_scheme_(
         param_dtype=str(param_dtype).replace("torch.", ""), scheme=sch.name,
     )  # fmt: skip
     report.weight_bytes_before = weight_bytes(model)
-    input_amax: dict[str, float] = {}
-    prequantized: dict[str, QuantizedTensor] = {}
 
     def batches() -> Iterable[Any]:
         return _calibration_batches(calib_data, tokenizer, calib_samples, calib_seq_len)
 
-    if spec.uses_gptq and targets:
-        if scales is not None or calib_data is None:
-            raise MixprecError(f"algorithm={spec.label!r} needs calib_data= and computes the weight scales itself "
-                               "(no scales=)")  # fmt: skip
-        input_amax, prequantized = _run_gptq(
-            model, list(batches()), targets, sch, spec, param_dtype, observer, report
-        )
-    elif sch.needs_calibration:
-        missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
-        if missing:
-            if calib_data is None:
-                raise MixprecError(
-                    f"scheme {sch.name} needs calibration data (calib_data=) for static input scales "
-                    f"({len(missing)} layers lack them, e.g. {missing[0]!r})"
-                )
-            input_amax = _calibrate_inputs(model, batches(), missing, observer, stop, report)
+    folds = _fold_live(model, spec, sch, targets, calib_data, batches)
+    modules = dict(model.named_modules())  # the folds may give a module new parameters (an untied head)
+    input_amax, prequantized = _observe(
+        model, targets, sch, spec, batches if calib_data is not None else None, scales, layers_in,
+        param_dtype, observer, stop, report,
+    )  # fmt: skip
     was_training = model.training
     weight_globals = _weight_global_scales(modules, targets, sch, param_dtype)
     if spec.uses_scale_search and not prequantized:
@@ -144,6 +135,9 @@ def apply_scheme_(
     model.train(was_training)
     gc.collect()
     report.weight_bytes_after = weight_bytes(model)
+    if folds is not None:
+        report.algorithm = {**(report.algorithm or spec.to_dict()), "folds": folds}
+        report.notes.append(f"folded ({', '.join(folds)}) before calibration")
     model.mixprec_report = report  # as load_quantized does; save_quantized reads the layer statistics
     return report
 
@@ -151,13 +145,65 @@ def apply_scheme_(
 def _live_algorithm(
     algorithm: str | Sequence[str] | AlgorithmSpec | None, sch: InferenceScheme
 ) -> AlgorithmSpec:
-    """The algorithm a live model can take (gptq, scale-search), checked against the scheme."""
+    """The algorithm, checked against the scheme before any work."""
     spec = AlgorithmSpec.parse(algorithm)
     spec.check_scheme(sch)
-    if folds := [n for n in spec.names if n in FOLDS]:
-        raise MixprecError(f"{', '.join(folds)}: the folds run in `mixprec quantize` / quantize_checkpoint "
-                           "(they rewrite the checkpoint); on a live model: gptq, scale-search")  # fmt: skip
     return spec
+
+
+def _fold_live(model: nn.Module, spec: AlgorithmSpec, sch: InferenceScheme, targets: list[str], calib_data: Any,
+               batches: Callable[[], Iterable[Any]]) -> dict[str, Any] | None:  # fmt: skip
+    """The spec's folds (rotate, smoothquant, awq) on the live model in place, before its calibration
+    and GPTQ, as the offline quantization folds before it writes (fold_stage.py); their records, or
+    None without folds."""
+    if not fold_names(spec) or not targets:
+        return None
+    data = _token_ids(list(batches()), spec) if folds_need_data(spec) else None
+    return fold_model_(model, spec, data, dict.fromkeys(targets, sch))
+
+
+def _check_live_inputs(spec: AlgorithmSpec, targets: list[str], scales: dict[str, Any] | None,
+                       calib_data: Any) -> None:  # fmt: skip
+    """MixprecError, before the model is touched, for an algorithm without the data it learns from or
+    with given scales it would not match (the folds change the weights; GPTQ chooses their scales)."""
+    if not targets or not spec.names:
+        return
+    if spec.needs_data and calib_data is None:
+        raise MixprecError(
+            f"algorithm={spec.label!r} needs calib_data= (token ids, or a text path with tokenizer=)"
+        )
+    if scales is not None and (spec.uses_gptq or fold_names(spec)):
+        raise MixprecError(f"algorithm={spec.label!r} computes the weight scales itself (no scales=)")
+
+
+def _token_ids(batches: list[Any], spec: AlgorithmSpec) -> list[torch.Tensor]:
+    """The calibration batches an algorithm walks block by block: token-id tensors, refused otherwise."""
+    if any(not isinstance(b, torch.Tensor) or b.is_floating_point() for b in batches):
+        raise MixprecError(f"algorithm={spec.label!r} on a live model takes calib_data as token-id tensors "
+                           "[batch, seq] (or a text path with tokenizer=)")  # fmt: skip
+    return batches
+
+
+def _observe(model: nn.Module, targets: list[str], sch: InferenceScheme, spec: AlgorithmSpec,
+             batches: Callable[[], Iterable[Any]] | None, scales: dict[str, Any] | None,
+             layers_in: dict[str, Any], dtype: torch.dtype, observer: str, stop: StopRule | None,
+             report: ConversionReport) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
+    """What the calibration data gives: (static input amax, {Linear: its GPTQ rounding}); GPTQ walks the
+    blocks with the static scales observed on the way, else the inputs that lack a given scale are
+    calibrated (batches None: no calib_data)."""
+    if spec.uses_gptq and targets and batches is not None:  # _check_live_inputs: batches are given
+        return _run_gptq(
+            model, _token_ids(list(batches()), spec), targets, sch, spec, dtype, observer, report
+        )
+    missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
+    if not (sch.needs_calibration and missing):
+        return {}, {}
+    if batches is None:
+        raise MixprecError(
+            f"scheme {sch.name} needs calibration data (calib_data=) for static input scales "
+            f"({len(missing)} layers lack them, e.g. {missing[0]!r})"
+        )
+    return _calibrate_inputs(model, batches(), missing, observer, stop, report), {}
 
 
 def _weight_global_scales(modules: dict[str, nn.Module], targets: list[str], sch: InferenceScheme,
@@ -203,9 +249,6 @@ def _calibrate_inputs(model: nn.Module, batches: Iterable[Any], names: list[str]
 def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: InferenceScheme, spec: AlgorithmSpec,
               dtype: torch.dtype, observer: str, report: ConversionReport) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
     """GPTQ over the live model block by block: (static input amax, {Linear: its GPTQ rounding})."""
-    if any(not isinstance(b, torch.Tensor) or b.is_floating_point() for b in batches):
-        raise MixprecError("algorithm='gptq' on a live model takes calib_data as token-id tensors [batch, seq] "
-                           "(or a text path with tokenizer=)")  # fmt: skip
     gptq = GptqPass(dict.fromkeys(targets, sch), spec.gptq, dtype, search=spec.uses_scale_search)
     static = targets if sch.needs_calibration else []
     result = calibrate_blockwise(model, batches, static, observer=observer, block_pass=gptq)
