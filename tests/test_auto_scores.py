@@ -267,3 +267,60 @@ def test_save_quantized_writes_a_mixed_model_as_quantize_checkpoint_does(llama_d
     with pytest.raises(MixprecError, match="compressed-tensors layout only"):
         mixprec.save_quantized(model, tmp_path / "hf", format="hf-fp8")
     assert not (tmp_path / "hf").exists()
+
+
+def test_auto_with_gptq_scores_each_candidate_with_gptqs_weights_and_writes_with_gptq(
+    llama_dir, calib, tmp_path
+):
+    """--scheme auto --algorithm gptq: each candidate's scored weights are the uniform GPTQ checkpoint's of
+    that scheme bit for bit; GPTQ's weights score lower than round to nearest's; the checkpoint is written
+    with GPTQ; a scores file of round to nearest is not taken for GPTQ's."""
+    from mixprec.hf import load_model, load_tokenizer
+    from mixprec.inference.algorithms.spec import AlgorithmSpec
+    from mixprec.inference.calibration.data import load_texts, token_batches
+    from mixprec.inference.checkpoint.algorithm_file import read_algorithm_file
+    from mixprec.inference.producers.quantize import quantize_checkpoint
+    from mixprec.sensitivity.algorithm_candidates import rounded_candidates
+    from mixprec.sensitivity.scores import scorable_linears
+
+    kw = dict(calib_data=calib, calib_samples=4, calib_seq_len=24, progress=False)
+    model = load_model(llama_dir, dtype=torch.float32).eval()
+    batches = token_batches(load_texts(calib), load_tokenizer(llama_dir), 4, 24)
+    names = list(scorable_linears(model))
+    rounded = rounded_candidates(model, batches, names, candidate_schemes(["nvfp4a16"]), AlgorithmSpec.parse("gptq"),
+                                 torch.float32)  # fmt: skip
+    quantize_checkpoint(llama_dir, tmp_path / "uniform", "nvfp4a16", algorithm="gptq", **kw)
+    uniform = mixprec.load_quantized(tmp_path / "uniform")
+    assert len(rounded["nvfp4a16"]) == 14
+    for name, q in rounded["nvfp4a16"].items():
+        assert torch.equal(q.dequantize(), uniform.get_submodule(name).dequantized_weight(torch.float32)), (
+            name
+        )
+
+    cands = ["fp8-dynamic", "nvfp4a16"]
+    rtn = auto_quantize_checkpoint(llama_dir, tmp_path / "rtn", budget="8", candidates=cands, **kw)
+    gptq = auto_quantize_checkpoint(
+        llama_dir, tmp_path / "gptq", budget="8", candidates=cands, algorithm="gptq", **kw
+    )
+    inside = [n for n in names if n in rounded["nvfp4a16"]]
+    assert sum(gptq.scores.layers[n]["nvfp4a16"] for n in inside) < sum(
+        rtn.scores.layers[n]["nvfp4a16"] for n in inside
+    )
+    assert "algorithm" in gptq.scores.fingerprint and "algorithm" not in rtn.scores.fingerprint
+    assert read_algorithm_file(tmp_path / "gptq")["names"] == ["gptq"]
+    assert gptq.report.algorithm["layers"].keys() == {
+        n for n, c in gptq.allocation.layers.items() if c != KEPT
+    }
+    with pytest.raises(MixprecError, match="different algorithm"):
+        auto_quantize_checkpoint(llama_dir, tmp_path / "x", budget="8", candidates=cands, algorithm="gptq",
+                                 scores=tmp_path / "rtn" / SCORES_NAME, **kw)  # fmt: skip
+
+
+def test_auto_refuses_the_algorithms_it_does_not_score_with(llama_dir, calib, tmp_path):
+    with pytest.raises(MixprecError, match="--scheme auto scores its candidates with --algorithm gptq; awq"):
+        auto_quantize_checkpoint(
+            llama_dir, tmp_path / "a", budget="8", calib_data=calib, algorithm="awq,gptq"
+        )
+    with pytest.raises(MixprecError, match="scheme='auto' with an algorithm writes a checkpoint"):
+        mixprec.quantize_model_(_tiny_llama(), "auto", budget=8, calib_data=_batches(), algorithm="gptq")
+    assert not (tmp_path / "a").exists()

@@ -198,10 +198,6 @@ def _perplexity(model: str, data: str, samples: int, seq_len: int):
 
 
 def run_auto(args: argparse.Namespace) -> int:
-    if algorithm_spec(args).names:
-        raise MixprecError(
-            "--scheme auto chooses among round-to-nearest candidates; --algorithm takes one fixed scheme"
-        )
     if args.format != "compressed-tensors":
         raise MixprecError("--scheme auto writes the compressed-tensors layout only")
     if args.calib_data is None:
@@ -215,7 +211,7 @@ def run_auto(args: argparse.Namespace) -> int:
         calib_seq_len=args.calib_seq_len, candidates=args.candidates, score=args.score, scores=args.scores, ignore=args.ignore,
         default_ignore=not args.no_default_ignore, measure=measure, search_steps=args.search_steps,
         force=args.force, progress=not args.quiet and not args.json, max_shard_size=args.max_shard_size,
-        observer=args.observer, strict=args.strict,
+        observer=args.observer, strict=args.strict, algorithm=algorithm_spec(args),
     )  # fmt: skip
     write_auto_report(result, args.output)
     if args.json:

@@ -36,6 +36,7 @@ from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
 from mixprec.files import write_json_atomic
 from mixprec.hf import config_dtype, load_model, load_tokenizer, read_config
+from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
 from mixprec.inference.producers.quantize import quantize_checkpoint
@@ -43,8 +44,9 @@ from mixprec.inference.runtime.online import apply_scheme_ as quantize_one_schem
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.progress import ProgressBars
 from mixprec.select import REGEX_PREFIX
+from mixprec.sensitivity.algorithm_candidates import check_auto_algorithm, rounded_candidates
 from mixprec.sensitivity.allocation import Allocation, Budget, allocate, group_options, uniform
-from mixprec.sensitivity.scores import KEPT, Scores, candidate_schemes, score_model
+from mixprec.sensitivity.scores import KEPT, Scores, candidate_schemes, scorable_linears, score_model
 
 AUTO = "auto"
 SCORES_NAME = "auto_scores.json"
@@ -74,9 +76,15 @@ def data_fingerprint(batches: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def fingerprint(model: str, data: str, candidates: Sequence[str], method: str, ignore: Sequence[str]) -> dict[str, str]:  # fmt: skip
-    return {"model": model, "data": data, "candidates": ",".join(candidates), "method": method,
-            "ignore": ",".join(ignore)}  # fmt: skip
+def fingerprint(model: str, data: str, candidates: Sequence[str], method: str, ignore: Sequence[str],
+                algorithm: AlgorithmSpec | None = None) -> dict[str, str]:  # fmt: skip
+    """What scores come from; `algorithm` (what rounded the candidates, with its parameters) only when it
+    is not round to nearest, so that the scores files written before it existed still match."""
+    fp = {"model": model, "data": data, "candidates": ",".join(candidates), "method": method,
+          "ignore": ",".join(ignore)}  # fmt: skip
+    if algorithm is not None and algorithm.names:
+        fp["algorithm"] = json.dumps(algorithm.to_dict(), sort_keys=True)
+    return fp
 
 
 def read_scores(path: str | Path) -> Scores:
@@ -230,6 +238,7 @@ def auto_quantize_checkpoint(
     search_steps: int = 5,
     force: bool = False,
     progress: bool = True,
+    algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
     **quantize_kw: Any,
 ) -> AutoResult:
     """Score, choose under `budget` (or the smallest checkpoint whose measured perplexity increase is
@@ -238,15 +247,17 @@ def auto_quantize_checkpoint(
 
     scores: a scores file of an earlier run, reused when its fingerprint matches this run's (model
     files, calibration tokens, candidates, method, ignore list), else refused. measure: see the module
-    docstring; with it the chosen checkpoint's perplexity is measured. quantize_kw: passed on to
-    quantize_checkpoint (max_shard_size, observer, ...).
+    docstring; with it the chosen checkpoint's perplexity is measured. algorithm: "gptq" (or an
+    AlgorithmSpec): every candidate is scored with the weights GPTQ gives it (algorithm_candidates.py)
+    and the checkpoint is written with GPTQ. quantize_kw: passed on to quantize_checkpoint
+    (max_shard_size, observer, ...).
     """
     started = time.perf_counter()
     job = _auto_job(model_dir, output_dir, budget=budget, target_ppl_increase=target_ppl_increase,
                     calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                     candidates=candidates, score=score, scores=scores, ignore=ignore, default_ignore=default_ignore,
                     measure=measure, search_steps=search_steps, force=force, progress=progress,
-                    quantize_kw=quantize_kw)  # fmt: skip
+                    quantize_kw=quantize_kw, algorithm=algorithm)  # fmt: skip
     texts = load_texts(calib_data)
     batches = token_batches(texts, load_tokenizer(job.model_dir), calib_samples, calib_seq_len)
     timings: dict[str, float] = {}
@@ -297,6 +308,7 @@ class AutoJob:
     force: bool  # replace output_dir
     progress: bool
     quantize_kw: Mapping[str, Any]  # passed on to quantize_checkpoint
+    algorithm: AlgorithmSpec  # what rounds the candidates and the checkpoint (empty: round to nearest)
 
     @property
     def dtype_bits(self) -> int:
@@ -318,6 +330,7 @@ def _auto_job(
     measure: Measure | None,
     candidates: Sequence[str] | None,
     force: bool,
+    algorithm: str | Sequence[str] | AlgorithmSpec | None,
     **settings: Any,
 ) -> AutoJob:
     """The arguments checked (MixprecError on the first problem) and the model's config read; `settings`
@@ -329,6 +342,8 @@ def _auto_job(
     if target is not None and measure is None:
         raise MixprecError("--target-ppl-increase needs evaluation data to measure perplexity (--eval-data)")
     cands = tuple(candidate_schemes(candidates))
+    spec = AlgorithmSpec.parse(algorithm)
+    check_auto_algorithm(spec, cands)
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     config = read_config(model_dir)
     if "quantization_config" in config:  # an FP8 block input included: its scores need a model forward
@@ -341,8 +356,9 @@ def _auto_job(
     if output_dir.exists() and not force:
         raise MixprecError(f"output directory {output_dir} exists (use --force to replace it)")
     return AutoJob(
-        model_dir, output_dir, config, plan_budget, target, cands, measure=measure, force=force, **settings
-    )
+        model_dir, output_dir, config, plan_budget, target, cands, measure=measure, force=force, algorithm=spec,
+        **settings,
+    )  # fmt: skip
 
 
 def _scores(job: AutoJob, batches: list[torch.Tensor], timings: dict[str, float]) -> tuple[Scores, bool]:
@@ -351,7 +367,7 @@ def _scores(job: AutoJob, batches: list[torch.Tensor], timings: dict[str, float]
     from_file = read_scores(job.scores) if job.scores is not None else None
     t0 = time.perf_counter()
     fp = fingerprint(model_fingerprint(job.model_dir), data_fingerprint(batches), job.fingerprint_names,
-                     job.score, list(job.ignore or ()))  # fmt: skip
+                     job.score, list(job.ignore or ()), job.algorithm)  # fmt: skip
     timings["fingerprint"] = time.perf_counter() - t0
     if from_file is not None:
         if from_file.fingerprint != fp:
@@ -364,10 +380,16 @@ def _scores(job: AutoJob, batches: list[torch.Tensor], timings: dict[str, float]
     t0 = time.perf_counter()
     model = load_model(job.model_dir, dtype=torch.float32).eval()  # fp32: the CPU has no fast bf16
     with ProgressBars(job.progress) as bars:
+        rounded = None
+        if job.algorithm.uses_gptq:
+            names = list(scorable_linears(model, job.ignore, default_ignore=job.default_ignore))
+            advance = bars.add("GPTQ, one walk per candidate", len(job.candidates)).advance
+            rounded = rounded_candidates(model, batches, names, job.candidates, job.algorithm,
+                                         config_dtype(job.config), advance)  # fmt: skip
         scored = score_model(
             model, batches, list(job.candidates), method=job.score, ignore=job.ignore,
             default_ignore=job.default_ignore, weight_dtype=config_dtype(job.config),
-            progress=lambda label, total: bars.add(label, total).advance,
+            progress=lambda label, total: bars.add(label, total).advance, rounded=rounded,
         )  # fmt: skip
     del model
     scored.fingerprint = fp
@@ -396,13 +418,17 @@ class CheckpointWriter:
         if not schemes:
             raise MixprecError(f"the budget keeps every Linear in high precision ({plan.bits_per_weight:.2f} bits "
                                "per weight): there is nothing to quantize; lower it")  # fmt: skip
-        needs_calib = any(InferenceScheme.from_name(s).needs_calibration for s in schemes.values())
+        needs_calib = self.job.algorithm.needs_data or any(
+            InferenceScheme.from_name(s).needs_calibration for s in schemes.values()
+        )
         kw = (
             self.settings
             if needs_calib
             else {k: v for k, v in self.settings.items() if not k.startswith("calib")}
         )
-        return quantize_checkpoint(self.job.model_dir, out, schemes, force=replace, **kw)
+        return quantize_checkpoint(
+            self.job.model_dir, out, schemes, force=replace, algorithm=self.job.algorithm, **kw
+        )
 
 
 def _choose(
@@ -510,6 +536,9 @@ def quantize_model_(
         raise MixprecError(
             "scheme='auto' needs budget= (average bits per weight such as 6.0, or bytes such as '1.2GB')"
         )
+    if AlgorithmSpec.parse(kwargs.get("algorithm")).names:
+        raise MixprecError("scheme='auto' with an algorithm writes a checkpoint: auto_quantize_checkpoint(..., "
+                           "algorithm='gptq') or `mixprec quantize --scheme auto --algorithm gptq`")  # fmt: skip
     if scores is None:
         if calib_data is None:
             raise MixprecError("scheme='auto' needs calib_data= (batches of token ids) to score the layers")

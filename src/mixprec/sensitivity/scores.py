@@ -51,7 +51,7 @@ from mixprec.inference.schemes import (
     skip_reason,
 )
 from mixprec.models import lm_loss
-from mixprec.scaling import compute_scale
+from mixprec.scaling import QuantizedTensor, compute_scale
 from mixprec.select import fused_groups
 
 KEPT = "bf16"  # the candidate "kept in high precision as stored"
@@ -121,8 +121,10 @@ class CandidateLayers(Mapping[str, dict[str, nn.Module]]):
     (the same bytes: quantization is deterministic)."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], candidates: Sequence[InferenceScheme],
-                 input_amax: Mapping[str, float] | None = None, *, weight_dtype: torch.dtype | None = None):  # fmt: skip
+                 input_amax: Mapping[str, float] | None = None, *, weight_dtype: torch.dtype | None = None,
+                 rounded: Mapping[str, Mapping[str, QuantizedTensor]] | None = None):  # fmt: skip
         self.modules = dict(model.named_modules())
+        self.rounded = rounded or {}  # {scheme: {Linear: its weight as an algorithm rounded it}}
         self.names = list(names)
         self.candidates = {s.name: s for s in candidates}
         self.input_amax = dict(input_amax or {})
@@ -159,28 +161,31 @@ class CandidateLayers(Mapping[str, dict[str, nn.Module]]):
                 input_global_scale(a, self.dtype) if sch.input_global else compute_scale(a, E4M3).reshape(1)
             )
         g = self.globals.get(name) if sch.weight_granularity.scale_format == "e4m3" else None
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # elementwise work on one weight: per-op thread regions only cost
-        try:
-            q, _ = quantize_weight(
-                lin.weight.detach().to(self.dtype), sch, name=f"{name}.weight", global_scale=g
-            )
-        finally:
-            torch.set_num_threads(threads)
+        q = self.rounded.get(scheme, {}).get(name)
+        if q is None:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # elementwise work on one weight: per-op thread regions only cost
+            try:
+                q, _ = quantize_weight(
+                    lin.weight.detach().to(self.dtype), sch, name=f"{name}.weight", global_scale=g
+                )
+            finally:
+                torch.set_num_threads(threads)
         layer = quantized_linear(q, lin.bias, sch, input_scale=scale, out_dtype=torch.float32).eval()
         layer.decoded_cache = False
         return layer
 
 
 def candidate_layers(model: nn.Module, names: Sequence[str], candidates: Sequence[InferenceScheme],
-                     input_amax: Mapping[str, float] | None = None, *,
-                     weight_dtype: torch.dtype | None = None) -> CandidateLayers:  # fmt: skip
-    """The CandidateLayers of `names` (built on demand)."""
+                     input_amax: Mapping[str, float] | None = None, *, weight_dtype: torch.dtype | None = None,
+                     rounded: Mapping[str, Mapping[str, QuantizedTensor]] | None = None) -> CandidateLayers:  # fmt: skip
+    """The CandidateLayers of `names` (built on demand; rounded: the weights an algorithm gave each
+    candidate, used instead of round to nearest's where given)."""
     for sch in candidates:  # a missing amax is refused before any scoring
         missing = [n for n in names if sch.needs_calibration and n not in (input_amax or {})]
         if missing:
             raise MixprecError(f"scheme {sch.name} needs a calibrated input amax for {missing[0]}")
-    return CandidateLayers(model, names, candidates, input_amax, weight_dtype=weight_dtype)
+    return CandidateLayers(model, names, candidates, input_amax, weight_dtype=weight_dtype, rounded=rounded)
 
 
 @dataclass
@@ -395,10 +400,13 @@ def score_model(
     default_ignore: bool = True,
     weight_dtype: torch.dtype | None = None,
     progress: Callable[[str, int], Callable[[], None]] | None = None,
+    rounded: Mapping[str, Mapping[str, QuantizedTensor]] | None = None,
 ) -> Scores:
     """Scores of every scorable Linear of `model` (a causal LM, fp32 recommended on a CPU) for every
     candidate, from `batches` of token ids; `progress(label, total)` -> advance (optional).
-    weight_dtype: the dtype the checkpoint stores the weights in (they are quantized from it)."""
+    weight_dtype: the dtype the checkpoint stores the weights in (they are quantized from it).
+    rounded: {candidate: {Linear: its weight as an algorithm rounded it}} (algorithm_candidates.py),
+    scored instead of round to nearest's."""
     if method not in METHODS:
         raise MixprecError(f"unknown --score {method!r}; known: {', '.join(METHODS)}")
     batches = list(batches)
@@ -411,7 +419,9 @@ def score_model(
             f"{type(model).__name__} has no Linear a scheme may take (all ignored or of odd dims)"
         )
     amax = static_input_amax(model, batches, list(linears), candidates)
-    layers = candidate_layers(model, list(linears), candidates, amax, weight_dtype=weight_dtype)
+    layers = candidate_layers(
+        model, list(linears), candidates, amax, weight_dtype=weight_dtype, rounded=rounded
+    )
     if method == "gradient":
         advance = progress("scoring (forward + backward per batch)", len(batches)) if progress else None
         raw = gradient_scores(model, batches, layers, progress=advance)
