@@ -8,6 +8,8 @@ precision without the report saying why.
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,10 @@ from safetensors.torch import save_file
 import mixprec
 from mixprec.errors import MixprecError
 from mixprec.inference import quantize_checkpoint
+from mixprec.inference.algorithms import gptq_experts
 from mixprec.inference.calibration import outside
+from mixprec.inference.calibration.run import StopRule
+from mixprec.inference.checkpoint.scales_file import read_scales_file
 from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.schemes import PARTLY_QUANTIZED_RULE
 
@@ -135,15 +140,45 @@ def test_moe_experts_quantized_and_loaded(moe_dir, calib_file, input_ids, tmp_pa
         _assert_close(model(input_ids).logits, tiny_mixtral()(input_ids).logits)
 
 
-def test_moe_kv_cache_and_layer_by_layer(moe_dir, calib_file, tmp_path):
-    """KV-cache scales calibrate on the whole MoE model; layer-by-layer calibration, which fills blocks
-    by checkpoint name, refuses the renamed expert tensors with a clear error."""
+def test_moe_kv_cache(moe_dir, calib_file, tmp_path):
+    """KV-cache scales calibrate on the whole MoE model."""
     quantize_checkpoint(moe_dir, tmp_path / "kv", "fp8-dynamic", kv_cache="fp8", calib_data=calib_file,
                         progress=False, **CALIB)  # fmt: skip
     assert "model.layers.1.self_attn.k_scale" in read_tensors(tmp_path / "kv")
-    with pytest.raises(MixprecError, match=r"names 26 of them differently .*; pass --no-layer-by-layer"):
+
+
+def test_moe_layer_by_layer_matches_whole_model(moe_dir, calib_file, tmp_path):
+    """Layer by layer, the skeleton's experts are unfused as the loader unfuses them (one Linear per
+    checkpoint expert weight, the router renamed as transformers renames it): the static input scales
+    of every expert and the KV-cache scales are those of the whole model run on every batch."""
+    kw = dict(calib_data=calib_file, kv_cache="fp8", calib_stop=StopRule(0.0), progress=False, **CALIB)
+    quantize_checkpoint(moe_dir, tmp_path / "lbl", "fp8-static", layer_by_layer=True, **kw)
+    quantize_checkpoint(moe_dir, tmp_path / "whole", "fp8-static", layer_by_layer=False, **kw)
+    a = read_scales_file(tmp_path / "whole" / "model.fp8_scales.json")
+    b = read_scales_file(tmp_path / "lbl" / "model.fp8_scales.json")
+    assert b["calibration"]["layer_by_layer"] and not a["calibration"]["layer_by_layer"]
+    assert {EXPERT.format(1, 3, 2), EXPERT.format(0, 0, 1)} <= set(a["layers"]) and a["layers"].keys() == b[
+        "layers"
+    ].keys()
+    for name, entry in a["layers"].items():
+        assert b["layers"][name]["input"]["scale"] == pytest.approx(entry["input"]["scale"], rel=1e-6), name
+    for name, entry in a["kv_cache"].items():
+        assert b["kv_cache"][name]["k_scale"] == pytest.approx(entry["k_scale"], rel=1e-6)
+
+
+def test_moe_layer_by_layer_refuses_tensors_it_cannot_place(moe_dir, calib_file, tmp_path, monkeypatch):
+    """Without transformers' conversion mapping the per-expert tensors are not known as expert weights:
+    layer-by-layer calibration, which fills blocks by name, refuses them with a clear error."""
+    from mixprec.inference.checkpoint import linear_weights
+
+    monkeypatch.setattr(linear_weights, "conversion_transforms", lambda model: ([], []))
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(MixprecError, match=r"names 26 of them differently .*; pass --no-la"),
+    ):
+        warnings.simplefilter("ignore")  # the experts stay in high precision, said elsewhere
         _quantize(moe_dir, tmp_path / "lbl", "fp8-static", calib_file, layer_by_layer=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_whole_model_advice_under_torchrun(monkeypatch):
@@ -169,7 +204,7 @@ def test_moe_ignored_experts_load_in_high_precision(moe_dir, input_ids, tmp_path
         _assert_close(model(input_ids).logits, tiny_mixtral()(input_ids).logits)
 
 
-def test_moe_expert_without_calibration_tokens_is_named(moe_dir, calib_file, tmp_path, monkeypatch):
+def _never_expert_3(monkeypatch) -> None:
     from transformers.models.mixtral import modeling_mixtral
 
     route = modeling_mixtral.MixtralTopKRouter.forward
@@ -179,6 +214,10 @@ def test_moe_expert_without_calibration_tokens_is_named(moe_dir, calib_file, tmp
         return logits, scores, torch.where(indices == 3, (indices + 1) % 3, indices)
 
     monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", never_expert_3)
+
+
+def test_moe_expert_without_calibration_tokens_is_named(moe_dir, calib_file, tmp_path, monkeypatch):
+    _never_expert_3(monkeypatch)
     with pytest.raises(MixprecError, match=r"routed no token to MoE expert weight '.*experts\.3\.w1'"):
         _quantize(moe_dir, tmp_path / "q", "fp8-static", calib_file)
     assert list(tmp_path.iterdir()) == []
@@ -214,3 +253,110 @@ def test_fused_expert_tensors_are_reported(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         _assert_close(mixprec.load_quantized(tmp_path / "q")(ids).logits, model(ids).logits)
+
+
+# ---- GPTQ over the experts --------------------------------------------------------------------------
+
+GPTQ_CALIB = dict(calib_samples=32, calib_seq_len=64)  # 2048 tokens, ~1000 routed to an expert on average
+EXPERT_INPUTS = {1: 128, 3: 128, 2: 256}  # w1 and w3 read the hidden state, w2 the intermediate
+
+
+def _gptq(src: Path, out: Path, scheme: str, calib: Path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = quantize_checkpoint(src, out, scheme, calib_data=calib, algorithm="gptq", progress=False,
+                                     **GPTQ_CALIB)  # fmt: skip
+    return report, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "fp8-dynamic"])
+def test_gptq_rounds_each_expert_on_its_routed_tokens(moe_dir, calib_file, input_ids, tmp_path, scheme):
+    """Each expert weight gets the Hessian of the tokens routed to its expert: the records' token counts
+    add up, per MoE layer, to the calibration tokens times top-k; a solved expert's calibration output
+    error is at most round to nearest's; one that saw fewer tokens than inputs fell back (and was said)."""
+    report, said = _gptq(moe_dir, tmp_path / "q", scheme, calib_file)
+    record = report.algorithm
+    layers = record["layers"]
+    experts = [EXPERT.format(i, e, w) for i in range(2) for e in range(4) for w in (1, 2, 3)]
+    assert set(experts) <= set(layers) and len(layers) == 24 + 8
+    for i in range(2):
+        routed = [layers[EXPERT.format(i, e, 1)]["tokens"] for e in range(4)]
+        assert sum(routed) == record["tokens"] * 2  # top-2
+        for e in range(4):  # w3 shares w1's Hessian; w2 reads the same tokens' intermediates
+            assert (
+                layers[EXPERT.format(i, e, 3)]["tokens"]
+                == layers[EXPERT.format(i, e, 2)]["tokens"]
+                == routed[e]
+            )
+    fallen = []
+    for name in experts:
+        rec = layers[name]
+        assert (rec.get("fallback") == "rtn") == (rec["tokens"] < EXPERT_INPUTS[int(name[-1])]), name
+        if "fallback" in rec:
+            fallen.append(name)
+            assert rec["output_error"] == rec["output_error_rtn"] > 0
+        else:
+            assert rec["output_error"] <= rec["output_error_rtn"], name
+            assert rec["damp"] > 0
+    assert len(fallen) < len(experts) // 2  # most experts saw enough tokens to be solved
+    warned = [w for w in said if "MoE expert weight(s)" in w]
+    assert len(warned) == (1 if fallen else 0) and warned == [w for w in report.warnings if "MoE expert" in w]
+    if fallen:
+        assert warned[0].startswith(f"GPTQ: {len(fallen)} of 24 MoE expert weight(s)")
+
+    model = mixprec.load_quantized(tmp_path / "q")
+    assert {EXPERT.format(1, 3, 2), EXPERT.format(0, 0, 1)} <= set(model.mixprec_report.layers)
+    assert len(model.mixprec_report.layers) == 32
+    with torch.no_grad():
+        got, ref = model(input_ids).logits, tiny_mixtral()(input_ids).logits
+    assert torch.isfinite(got).all()
+    assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.95
+
+
+def test_gptq_expert_without_tokens_is_rounded_to_nearest(moe_dir, calib_file, tmp_path, monkeypatch):
+    """An expert the router never picks has no Hessian: its weights are the round-to-nearest
+    checkpoint's, bit for bit, its record says so, and one warning names it."""
+    rtn = tmp_path / "rtn"
+    quantize_checkpoint(moe_dir, rtn, "nvfp4a16", progress=False)
+    _never_expert_3(monkeypatch)
+    report, said = _gptq(moe_dir, tmp_path / "q", "nvfp4a16", calib_file)
+    warned = [w for w in said if "MoE expert weight(s)" in w]
+    assert len(warned) == 1 and re.search(
+        r"rounded to nearest \(e\.g\. .*experts\.3\.w\d: 0 tokens", warned[0]
+    )
+    a, b = read_tensors(tmp_path / "q"), read_tensors(rtn)
+    for i in range(2):
+        for w in (1, 2, 3):
+            name = EXPERT.format(i, 3, w)
+            assert report.algorithm["layers"][name] == {
+                "output_error_rtn": 0.0, "output_error": 0.0, "tokens": 0, "fallback": "rtn",
+                "seconds": report.algorithm["layers"][name]["seconds"],
+            }  # fmt: skip
+            for k in [k for k in b if k.startswith(name + ".")]:
+                assert torch.equal(a[k], b[k]), k
+    solved = EXPERT.format(0, 0, 1)
+    assert "fallback" not in report.algorithm["layers"][solved]
+    assert not torch.equal(a[f"{solved}.weight_packed"], b[f"{solved}.weight_packed"])
+
+
+def test_gptq_expert_below_the_threshold_is_rounded_to_nearest(moe_dir, calib_file, tmp_path, monkeypatch):
+    """The threshold (gptq_experts.MIN_TOKENS_PER_INPUT) raised past every expert's count: every expert
+    weight is the round-to-nearest checkpoint's, bit for bit, its output errors (from its Hessian) equal;
+    the attention Linears are still GPTQ-rounded."""
+    rtn = tmp_path / "rtn"
+    quantize_checkpoint(moe_dir, rtn, "fp8-dynamic", progress=False)
+    monkeypatch.setattr(gptq_experts, "MIN_TOKENS_PER_INPUT", 1e9)
+    report, said = _gptq(moe_dir, tmp_path / "q", "fp8-dynamic", calib_file)
+    assert next(w for w in said if "MoE expert weight(s)" in w).startswith(
+        "GPTQ: 24 of 24 MoE expert weight(s)"
+    )
+    a, b = read_tensors(tmp_path / "q"), read_tensors(rtn)
+    for name, rec in report.algorithm["layers"].items():
+        if ".experts." in name:
+            assert rec["fallback"] == "rtn" and rec["output_error"] == rec["output_error_rtn"] > 0, name
+            assert rec["tokens"] > 0
+            assert torch.equal(a[f"{name}.weight"], b[f"{name}.weight"]), name
+            assert torch.equal(a[f"{name}.weight_scale"], b[f"{name}.weight_scale"]), name
+        else:
+            assert "fallback" not in rec and rec["output_error"] < rec["output_error_rtn"], name
+            assert not torch.equal(a[f"{name}.weight"], b[f"{name}.weight"]), name

@@ -13,20 +13,22 @@ Per Linear it records the relative calibration output error of round to nearest 
 measured with the Hessian (tr(E H E^T) / tr(W H W^T), E the weight error; computed from the group's
 solve factor, made in the Hessian's memory: gptq.SolveFactor), the time, the dampening,
 how many elements the updates pushed past their block's range (clipped), dead inputs and the token
-count.
+count. MoE expert weights are GPTQ-rounded each with its own Hessian, from the tokens routed to its
+expert; one that saw too few is rounded to nearest instead (gptq_experts.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.inference.algorithms.gptq import GptqResult, HessianAccumulator, gptq_quantize, solve_factor
+from mixprec.inference.algorithms.gptq_experts import fallback_warning, rtn_group, too_few_tokens
 from mixprec.inference.algorithms.scale_search import search_global_scale
 from mixprec.inference.algorithms.spec import AlgorithmSpec, GptqParams
 from mixprec.inference.calibration.across_ranks import (
@@ -56,7 +58,8 @@ def input_groups(names: list[str]) -> list[tuple[str, ...]]:
 class GptqPass:
     """The BlockPass that GPTQ-rounds every Linear of `schemes` ({name: scheme}); `results` holds
     each one's QuantizedTensor (what the writer stores), `layers` its record, `warnings` what the
-    caller should say (too few tokens for a Hessian).
+    caller should say (too few tokens for a Hessian). experts: the names among `schemes` that are MoE
+    expert weights (an expert that saw too few routed tokens is rounded to nearest: gptq_experts.py).
 
     across_ranks: every rank of the process group runs the walk on its share of the batches; each
     block's Hessians are then SUM-reduced (with their token counts), so every rank holds the Hessians of
@@ -64,7 +67,7 @@ class GptqPass:
 
     def __init__(self, schemes: Mapping[str, InferenceScheme], params: GptqParams, weight_dtype: torch.dtype,
                  search: bool = False, results: SpilledResults | None = None,
-                 across_ranks: bool = False):  # fmt: skip
+                 across_ranks: bool = False, experts: Collection[str] = ()):  # fmt: skip
         self.schemes = dict(schemes)
         self.search = search  # group scales from the scale search (scale_search.py)
         self.params = params
@@ -74,6 +77,9 @@ class GptqPass:
         self.results: dict[str, QuantizedTensor] | SpilledResults = {} if results is None else results
         self.layers: dict[str, dict[str, Any]] = {}
         self.short: list[tuple[str, int, int]] = []  # (Linear, tokens, inputs) with tokens < inputs
+        self.experts = frozenset(experts)
+        self.fallen: list[tuple[str, int, int]] = []  # (expert weight, tokens, inputs) rounded to nearest
+        self._modules: dict[str, nn.Module] | None = None
         self._hessians: dict[tuple[str, ...], HessianAccumulator] = {}
         self.across_ranks = across_ranks
 
@@ -84,6 +90,7 @@ class GptqPass:
         return not self.params.sequential
 
     def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]:
+        self._modules = modules  # the walk's: unfused experts also under their checkpoint names
         handles = []
         for group in self.groups:
             if not group[0].startswith(own):
@@ -100,7 +107,9 @@ class GptqPass:
 
     def after(self, own: str, block: nn.Module, captured: Captured, outputs: Captured,
               rerun: Callable[[nn.Module, Captured], Captured]) -> Captured:  # fmt: skip
-        modules = {f"{own}{n}": m for n, m in block.named_modules() if n}
+        # the block's modules, and the walk's aliases of them; the walk's table is not kept past the block
+        walk, self._modules = self._modules or {}, None
+        modules = {**walk, **{f"{own}{n}": m for n, m in block.named_modules() if n}}
         if self.across_ranks:
             self._reduce_hessians()
         self._solve_block(modules)
@@ -124,7 +133,8 @@ class GptqPass:
 
     def warnings(self) -> list[str]:
         """What the caller should warn about after the walk: Hessians that saw fewer tokens than they
-        have inputs, and Linears the walk never reached (outside the blocks: rounded to nearest)."""
+        have inputs, expert weights rounded to nearest, and Linears the walk never reached (outside the
+        blocks: rounded to nearest)."""
         out = []
         if self.short:
             name, tokens, inputs = max(self.short, key=lambda t: t[2] - t[1])
@@ -133,6 +143,8 @@ class GptqPass:
                 f"{name}: {tokens} tokens for {inputs} inputs): the dampening carries them; give more "
                 "calibration samples or longer sequences"
             )
+        if self.fallen:
+            out.append(fallback_warning(self.fallen, sum(n in self.experts for n in self.schemes)))
         missed = [n for n in self.schemes if n not in self.results]
         if missed:
             out.append(f"GPTQ did not reach {len(missed)} Linear(s) outside the transformer blocks (e.g. "
@@ -160,9 +172,17 @@ class GptqPass:
         solved: dict[str, tuple[QuantizedTensor, dict[str, Any]]] = {}
         for j, group in enumerate(groups):
             acc = self._hessians.pop(group)  # each Hessian freed once its group is rounded (or not ours)
-            if acc.rows < acc.in_features:  # the reduced count: the same on every rank
+            # the reduced count: the same on every rank, and so the same choice
+            rtn = group[0] in self.experts and too_few_tokens(acc.rows, acc.in_features)
+            if rtn:
+                self.fallen += [(m, acc.rows, acc.in_features) for m in group]
+            elif acc.rows < acc.in_features:
                 self.short.append((group[0], acc.rows, acc.in_features))
-            if j % world == rank() % world:
+            if j % world == rank() % world and rtn:
+                hessian = acc.finish() if acc.rows else None  # an expert no token reached has none
+                solved.update(rtn_group(group, hessian, acc.rows, modules, self.schemes, self.weight_dtype,
+                                        self.search))  # fmt: skip
+            elif j % world == rank() % world:  # ours to solve
                 solved.update(self._round_group(group, acc.finish(), acc.rows, modules))
             del acc
         for j, group in enumerate(groups):  # in group order on every rank: the records' order too

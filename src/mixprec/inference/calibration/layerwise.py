@@ -48,6 +48,7 @@ from mixprec.inference.calibration.across_ranks import max_across_ranks, sum_acr
 from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
 from mixprec.inference.calibration.outside import OutsideLoader, check_captured, load_into, whole_model_advice
 from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
+from mixprec.inference.checkpoint.linear_weights import model_keys
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
@@ -93,24 +94,29 @@ def calibrate_layerwise(
     progress: Any = None,
     block_pass: BlockPass | None = None,
     across_ranks: bool = False,
+    unfuse: Callable[[nn.Module], dict[str, str]] | None = None,
 ) -> tuple[CalibrationResult, nn.Module]:
     """The results `calibrate` gives on the whole model with every batch run (no early stop: the
     stop rule needs every layer's amax after each batch, and here block i sees batch k long after
     block 0 did); returns (the result, the skeleton). block_pass: more work inside each block.
     across_ranks: `batches` are this rank's share (across_ranks.share) and every rank of the process
     group calls this; the amaxes are MAX-reduced and the run's counts summed, so every rank gets the
-    result of one process running all the batches (the pass reduces its own statistics)."""
-    model, prefix, blocks = _skeleton(model_dir, config, ckpt, linear_names)
+    result of one process running all the batches (the pass reduces its own statistics).
+    unfuse: for an MoE checkpoint, replaces the skeleton's fused experts by one Linear per checkpoint
+    expert weight (runtime/experts.py: unfuse_skeleton) and returns {checkpoint module: module path};
+    the per-expert tensors then load into those Linears, the others renamed as transformers renames
+    them, and the observers and the pass find each expert Linear by its checkpoint name."""
+    model, prefix, blocks, keys, aliases = _skeleton(model_dir, config, ckpt, linear_names, unfuse)
     with ShardReader() as reader:
         outside = OutsideLoader(model, ckpt, reader, prefix, batches)
 
         def load(i: int) -> None:
             own = f"{prefix}.{i}."
-            load_into(model, ckpt, [n for n in ckpt.tensors if n.startswith(own)], reader)
+            load_into(model, ckpt, [n for n in ckpt.tensors if keys.get(n, n).startswith(own)], reader, keys)
 
         result = _walk(model, prefix, blocks, batches, linear_names, observer=observer, kv_cache=kv_cache,
                        progress=progress, block_pass=block_pass, load=load, drop=lambda b: b.to("meta"),
-                       outside=outside, across_ranks=across_ranks)  # fmt: skip
+                       outside=outside, across_ranks=across_ranks, aliases=aliases)  # fmt: skip
     return result, model
 
 
@@ -145,10 +151,14 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
           linear_names: Sequence[str], *, observer: str, kv_cache: bool, progress: Any,
           block_pass: BlockPass | None, load: Callable[[int], None] | None = None,
           drop: Callable[[nn.Module], Any] | None = None,
-          outside: OutsideLoader | None = None, across_ranks: bool = False) -> CalibrationResult:  # fmt: skip
+          outside: OutsideLoader | None = None, across_ranks: bool = False,
+          aliases: dict[str, str] | None = None) -> CalibrationResult:  # fmt: skip
     """Capture the first block's inputs, then per block: load it, run it with the observers' (and
     the pass's) hooks on, let the pass work on it, drop it; the outputs feed the next block.
-    outside: what loads the parts outside the blocks during the capture (calibrate_layerwise)."""
+    outside: what loads the parts outside the blocks during the capture (calibrate_layerwise).
+    aliases: {checkpoint module: module path} of the Linears the model names differently (unfused
+    experts), under which the observers and the pass also find them."""
+    aliases = aliases or {}
     started = time.perf_counter()
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
@@ -168,6 +178,7 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
                 outside.remove()
                 check_captured(captured)
             modules = dict(model.named_modules())
+            modules.update({n: modules[p] for n, p in aliases.items() if p in modules})
             for i, block in enumerate(blocks):
                 own = f"{prefix}.{i}."
                 if load is not None:
@@ -175,7 +186,7 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
                 handles = [
                     modules[n].register_forward_pre_hook(_observing(observers[n]))
                     for n in linear_names
-                    if n.startswith(own)
+                    if aliases.get(n, n).startswith(own)
                 ]
                 if block_pass is not None:
                     handles += block_pass.hooks(own, modules)
@@ -243,25 +254,37 @@ def _result(amax: dict[str, float], kv: dict[int, tuple[float, float]], counts: 
     return CalibrationResult(amax, kv, run)
 
 
-def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_names: Sequence[str]) -> tuple[nn.Module, str, list[nn.Module]]:  # fmt: skip
-    """(the model built on the meta device, the name of its block list, its blocks), refused when the
-    checkpoint names tensors differently or a Linear to observe lies outside the blocks."""
+def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_names: Sequence[str],
+              unfuse: Callable[[nn.Module], dict[str, str]] | None = None):  # fmt: skip
+    """(the model built on the meta device, the name of its block list, its blocks, {checkpoint key:
+    model key} of the tensors it names differently, {checkpoint module: module path} of those Linears),
+    refused when the checkpoint names tensors differently than `unfuse` and transformers' renamings
+    account for, or a Linear to observe lies outside the blocks."""
     model = build_model(config, source=model_dir).eval()
+    keys: dict[str, str] = {}
+    if unfuse is not None:
+        keys, _ = model_keys(model, ckpt.tensors, unfuse(model))  # keys transformers converts stay unknown
     known = set(model.state_dict())
-    unknown = [n for n in ckpt.tensors if n not in known]
-    # blocks are filled by checkpoint name: tensors the model names differently (MoE experts) would stay empty
+    # blocks are filled by checkpoint name (or the model's, for a tensor renamed inside the blocks): tensors
+    # the model names differently would stay empty; outside the blocks they load by checkpoint name only
+    _check_known(model, [n for n in ckpt.tensors if keys.get(n, n) not in known])
+    prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
+    _check_known(model, [n for n, k in keys.items() if not k.startswith(prefix + ".")])
+    aliases = {k[: -len(".weight")]: v[: -len(".weight")] for k, v in keys.items() if k.endswith(".weight")}
+    stray = [n for n in linear_names if not aliases.get(n, n).startswith(prefix + ".")]
+    if stray:
+        raise MixprecError(
+            f"layer-by-layer calibration observes Linears inside {prefix} only; also asked: {stray[:3]}"
+        )
+    return model, prefix, blocks, keys, aliases
+
+
+def _check_known(model: nn.Module, unknown: list[str]) -> None:
     if unknown:
         raise MixprecError(
             f"layer-by-layer calibration loads tensors by their checkpoint names, and {type(model).__name__} "
             f"names {len(unknown)} of them differently (e.g. {unknown[0]!r}); {whole_model_advice()}"
         )
-    prefix, blocks = _block_list(model, config.get("num_hidden_layers"))
-    stray = [n for n in linear_names if not n.startswith(prefix + ".")]
-    if stray:
-        raise MixprecError(
-            f"layer-by-layer calibration observes Linears inside {prefix} only; also asked: {stray[:3]}"
-        )
-    return model, prefix, blocks
 
 
 def _block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Tensor]) -> Captured:

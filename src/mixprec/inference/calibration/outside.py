@@ -20,7 +20,7 @@ first block (nothing else for Llama-style models), instead of the embeddings and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,9 +31,12 @@ from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.ranks import world_size
 
 
-def load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: ShardReader) -> None:
-    """Load the checkpoint tensors `names` into `model` (by state-dict name, taking their storage)."""
-    sd = {n: reader.get(ckpt.tensors[n]) for n in names}
+def load_into(model: nn.Module, ckpt: Checkpoint, names: list[str], reader: ShardReader,
+              renamed: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    """Load the checkpoint tensors `names` into `model` (by state-dict name, taking their storage);
+    renamed: {checkpoint key: state-dict key} where the model names a tensor differently."""
+    renamed = renamed or {}
+    sd = {renamed.get(n, n): reader.get(ckpt.tensors[n]) for n in names}
     model.load_state_dict(sd, strict=False, assign=True)
 
 

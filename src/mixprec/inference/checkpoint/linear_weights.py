@@ -19,6 +19,7 @@ the tensor names:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,28 @@ def rename_key(key: str, renamings: list, converters: list, model: Any, params: 
     except Exception:
         return key, None, None
     return new, None, None
+
+
+def model_keys(model: Any, keys: Iterable[str], part_of: dict[str, str]) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """({checkpoint key: model key} for the keys the model names differently, [keys transformers would
+    convert in ways mixprec does not]): per-expert tensors go to their part in the model once its
+    experts are unfused (`part_of`: {checkpoint module: module path}, runtime/experts.py), other keys
+    through transformers' checkpoint renamings (e.g. Mixtral's block_sparse_moe -> mlp)."""
+    renamings, converters = conversion_transforms(model)
+    params = dict(model.named_parameters())
+    out: dict[str, str] = {}
+    unmapped: list[str] = []
+    for k in keys:
+        module, _, leaf = k.rpartition(".")
+        if module in part_of:
+            out[k] = f"{part_of[module]}.{leaf}"
+        elif renamings or converters:
+            new, conv, _ = rename_key(k, renamings, converters, model, params)
+            if conv is not None:
+                unmapped.append(f"{k} -> {new}")
+            elif new != k:
+                out[k] = new
+    return out, unmapped
 
 
 def expert_slots(model: Any, names: list[str], shapes: dict[str, tuple[int, int]]) -> dict[str, ExpertSlot]:

@@ -37,7 +37,7 @@ from mixprec.inference.producers.quantize_job import (
     Source,
     check_observer_across_ranks,
 )
-from mixprec.inference.runtime.experts import unfuse_for_calibration
+from mixprec.inference.runtime.experts import unfuse_for_calibration, unfuse_skeleton
 from mixprec.progress import ProgressBars, progress_bar
 from mixprec.ranks import rank, world_size
 from mixprec.scaling import QuantizedTensor
@@ -104,7 +104,7 @@ def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: C
             result, model = calibrate_layerwise(
                 job.model_dir, source.config, source.ckpt, share(batches) if split else batches, names,
                 observer=job.observer, kv_cache=job.kv_cache, progress=advance, block_pass=gptq,
-                across_ranks=split,
+                across_ranks=split, unfuse=_unfuse(source) if selection.lw.experts else None,
             )  # fmt: skip
         input_amax = result.input_amax
     else:
@@ -125,24 +125,26 @@ def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: C
     return Calibration(input_amax, result.kv_amax, kv_names, info, gptq.results)
 
 
+def _unfuse(source: Source):
+    """What gives the layer-by-layer skeleton one Linear per checkpoint expert weight, as the loader
+    does (runtime/experts.py): {checkpoint module: module path}."""
+    shapes = {n[: -len(".weight")]: i.shape for n, i in source.ckpt.tensors.items() if n.endswith(".weight")}
+    return lambda model: unfuse_skeleton(model, shapes)
+
+
 def _gptq_pass(job: QuantizeJob, source: Source, selection: Selection) -> GptqPass | None:
-    """The GPTQ pass of the job's targets (None without --algorithm gptq); MixprecError before any
-    work for what it does not cover."""
+    """The GPTQ pass of the job's targets (None without --algorithm gptq). MoE expert weights each get
+    the Hessian of the tokens routed to their expert (the walk unfuses the experts: _unfuse)."""
     if not job.algorithm.uses_gptq or not selection.targets:
         return None
-    experts = [n for n in selection.targets if n in selection.lw.experts]
-    if experts:
-        raise MixprecError(
-            f"--algorithm gptq covers dense Linears only; {len(experts)} MoE expert weight(s) are targets "
-            f"(e.g. {experts[0]!r}): keep them in high precision with --ignore, or use rtn"
-        )
     dtypes = {source.ckpt.tensors[f"{n}.weight"].dtype for n in selection.targets}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     # each block's rounded weights wait on disk for the writer, beside the output (memory: one block's);
     # every rank keeps all of them, in a directory of its own (SpilledResults: a fresh temporary one)
     return GptqPass({n: selection.schemes[n] for n in selection.targets}, job.algorithm.gptq, dtype,
                     search=job.algorithm.uses_scale_search, results=SpilledResults(_spill_dir(job)),
-                    across_ranks=world_size() > 1)  # fmt: skip
+                    across_ranks=world_size() > 1,
+                    experts=[n for n in selection.targets if n in selection.lw.experts])  # fmt: skip
 
 
 def _spill_dir(job: QuantizeJob):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +37,11 @@ from mixprec.inference.checkpoint.layout import (
     INPUT_SCALE,
     K_SCALE,
     V_SCALE,
+    WEIGHT_PACKED,
     WEIGHT_SCALE,
     attention_of_kv_scale,
 )
-from mixprec.inference.checkpoint.linear_weights import conversion_transforms, rename_key
+from mixprec.inference.checkpoint.linear_weights import model_keys
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader, open_checkpoint
 from mixprec.inference.checkpoint.scales_file import (
     check_against_checkpoint,
@@ -97,27 +97,6 @@ def _spec_from_scales(doc: dict[str, Any], where: str) -> LayoutSpec:
     ml = ModuleLayout(sch.weight_granularity, sch.input_granularity, sch.input_dynamic, WEIGHT_SCALE)
     names = tuple(doc["layers"])
     return LayoutSpec("scales-file", ((names, ml),), (), False)
-
-
-def _model_keys(model: nn.Module, keys: Iterable[str], part_of: dict[str, str]) -> tuple[dict[str, str], list[str]]:  # fmt: skip
-    """({checkpoint key: model key} for the keys the model names differently, [keys transformers would
-    convert in ways this loader does not]): per-expert tensors go to their UnfusedExperts part, other
-    keys through transformers' checkpoint renamings (e.g. Mixtral's block_sparse_moe -> mlp)."""
-    renamings, converters = conversion_transforms(model)
-    params = dict(model.named_parameters())
-    out: dict[str, str] = {}
-    unmapped: list[str] = []
-    for k in keys:
-        module, _, leaf = k.rpartition(".")
-        if module in part_of:
-            out[k] = f"{part_of[module]}.{leaf}"
-        elif renamings or converters:
-            new, conv, _ = rename_key(k, renamings, converters, model, params)
-            if conv is not None:
-                unmapped.append(f"{k} -> {new}")
-            elif new != k:
-                out[k] = new
-    return out, unmapped
 
 
 def load_quantized(
@@ -234,10 +213,8 @@ def _checkpoint_names(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """({checkpoint key: model key} where they differ, {model module: checkpoint module}); per-expert
     checkpoint weights of fused transformers experts become one Linear each (experts.py)."""
-    part_of = unfuse_skeleton(
-        model, {n[: -len(".weight")]: i.shape for n, i in ckpt.tensors.items() if n.endswith(".weight")}
-    )
-    renamed, unmapped = _model_keys(model, ckpt.tensors, part_of)
+    part_of = unfuse_skeleton(model, _weight_shapes(ckpt))
+    renamed, unmapped = model_keys(model, ckpt.tensors, part_of)
     if unmapped:
         raise MixprecError(
             f"{root}: mixprec cannot map {len(unmapped)} checkpoint tensors onto {type(model).__name__}: "
@@ -247,7 +224,19 @@ def _checkpoint_names(
     ckpt_module = {
         v[: -len(".weight")]: k[: -len(".weight")] for k, v in renamed.items() if k.endswith(".weight")
     }
+    ckpt_module.update({path: n for n, path in part_of.items()})  # an FP4 expert stores no `.weight`
     return renamed, ckpt_module
+
+
+def _weight_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """{checkpoint module: its weight's shape}, from `.weight` or, for a packed FP4 weight (NVFP4,
+    MXFP4: two values a byte), from `.weight_packed` [out, in / 2]: so FP4 experts are found too."""
+    shapes = {n[: -len(".weight")]: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")}
+    for n, i in ckpt.tensors.items():
+        module, _, leaf = n.rpartition(".")
+        if leaf == WEIGHT_PACKED and len(i.shape) == 2 and module not in shapes:
+            shapes[module] = (i.shape[0], 2 * i.shape[1])
+    return shapes
 
 
 def _hf_default_skip(model: nn.Module, spec: LayoutSpec, qc: dict | None) -> set[str]:
