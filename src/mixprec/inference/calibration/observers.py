@@ -69,14 +69,26 @@ def _excess(a: torch.Tensor, threshold: float) -> float:
     return float((a - threshold).clamp_min_(0.0).square().sum())
 
 
+def finite_amax(x: torch.Tensor) -> float:
+    """max |x| over the finite entries (0.0 for none): one min/max pass, and the masked pass only where
+    an inf or NaN is there. Boolean indexing (x[isfinite(x)]) copied the selected entries first: 25 ms
+    for a [2048, 576] bf16 input and 77 ms at [2048, 1536] against 0.16 and 0.5 ms (AMX Xeon, 2 threads),
+    which made the observers most of a static scheme's calibration (SmolLM2, nvfp4: 210 inputs a batch)."""
+    x = x.detach()
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if math.isfinite(lo) and math.isfinite(hi):
+        return max(-lo, hi)
+    return float(x.abs().masked_fill_(~torch.isfinite(x), 0).amax())
+
+
 class MaxObserver(Observer):
     def __init__(self) -> None:
         self._max = 0.0
 
     def update(self, x: torch.Tensor) -> None:
-        x = x.detach()
-        m = float(x[torch.isfinite(x)].abs().max()) if x.numel() else 0.0
-        self._max = max(self._max, m)
+        self._max = max(self._max, finite_amax(x))
 
     def amax(self) -> float:
         return self._max
