@@ -340,29 +340,37 @@ def test_no_decoded_cache_flag(eval_env, tmp_path):
     assert doc["candidate"]["decoded_weight_cache_bytes"] == 0
 
 
+def _independent_perplexity(eval_env, calib: int, algorithm: str) -> float:
+    """The nvfp4a16 candidate made here by quantize_model_(..., algorithm=) on the `calib` blocks after
+    the SAMPLES evaluated ones (as evaluate takes them), and its perplexity on those."""
+    from transformers import AutoModelForCausalLM
+
+    import mixprec
+
+    docs, _ = read_documents(eval_env["corpus"])
+    blocks = lm_blocks(docs, Tokenizer(eval_env["tokenizer"], "t"), SEQ, SAMPLES + calib)
+    model = AutoModelForCausalLM.from_pretrained(eval_env["llama"]).eval()
+    mixprec.quantize_model_(
+        model, "nvfp4a16", calib_data=[b[None] for b in blocks[SAMPLES:]], algorithm=algorithm
+    )
+    with torch.no_grad():
+        logits = model(input_ids=blocks[:SAMPLES]).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:SAMPLES, 1:].reshape(-1))
+    return math.exp(nll.item())
+
+
 def test_fp4_candidate_scheme_rounded_by_gptq_matches_an_independent_run(eval_env):
     """--candidate-scheme nvfp4a16 --algorithm gptq: GPTQ calibrates on the blocks after the evaluated
     ones; the same quantize_model_ call made here on those blocks gives the same perplexity."""
-    import mixprec
-
     calib = 4
     r = evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="gptq", calib_samples=calib,
                  data=eval_env["corpus"], samples=SAMPLES, seq_len=SEQ, task="lm", progress=False)  # fmt: skip
     assert r.candidate["source"].startswith("online:nvfp4a16+gptq of ")
     alg = r.candidate["algorithm"]
     assert alg["names"] == ["gptq"] and alg["tokens"] == calib * SEQ and alg["median_output_error_vs_rtn"] < 1
-    from transformers import AutoModelForCausalLM
-
-    docs, _ = read_documents(eval_env["corpus"])
-    blocks = lm_blocks(docs, Tokenizer(eval_env["tokenizer"], "t"), SEQ, SAMPLES + calib)
-    model = AutoModelForCausalLM.from_pretrained(eval_env["llama"]).eval()
-    mixprec.quantize_model_(
-        model, "nvfp4a16", calib_data=[b[None] for b in blocks[SAMPLES:]], algorithm="gptq"
+    assert r.tasks["lm"]["candidate_perplexity"] == pytest.approx(
+        _independent_perplexity(eval_env, calib, "gptq"), rel=1e-5
     )
-    with torch.no_grad():
-        logits = model(input_ids=blocks[:SAMPLES]).logits[:, :-1]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:SAMPLES, 1:].reshape(-1))
-    assert r.tasks["lm"]["candidate_perplexity"] == pytest.approx(math.exp(nll.item()), rel=1e-5)
 
 
 def test_algorithm_needs_a_derived_candidate(eval_env):
@@ -383,8 +391,6 @@ def test_algorithm_needs_a_derived_candidate(eval_env):
 def test_fp4_candidate_scheme_folded_by_awq_matches_an_independent_run(eval_env):
     """--candidate-scheme nvfp4a16 --algorithm awq: the fold runs on the evaluated copy of the reference
     (the reference itself is left as it is), on the blocks after the evaluated ones."""
-    import mixprec
-
     calib = 4
     r = evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", algorithm="awq", calib_samples=calib,
                  data=eval_env["corpus"], samples=SAMPLES, seq_len=SEQ, task="lm", progress=False)  # fmt: skip
@@ -393,18 +399,9 @@ def test_fp4_candidate_scheme_folded_by_awq_matches_an_independent_run(eval_env)
         r.candidate["algorithm"]["names"] == ["awq"]
         and r.candidate["algorithm"]["folds"]["awq"]["folded"] >= 1
     )
-    from transformers import AutoModelForCausalLM
-
-    docs, _ = read_documents(eval_env["corpus"])
-    blocks = lm_blocks(docs, Tokenizer(eval_env["tokenizer"], "t"), SEQ, SAMPLES + calib)
-    model = AutoModelForCausalLM.from_pretrained(eval_env["llama"]).eval()
-    mixprec.quantize_model_(
-        model, "nvfp4a16", calib_data=[b[None] for b in blocks[SAMPLES:]], algorithm="awq"
+    assert r.tasks["lm"]["candidate_perplexity"] == pytest.approx(
+        _independent_perplexity(eval_env, calib, "awq"), rel=1e-5
     )
-    with torch.no_grad():
-        logits = model(input_ids=blocks[:SAMPLES]).logits[:, :-1]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:SAMPLES, 1:].reshape(-1))
-    assert r.tasks["lm"]["candidate_perplexity"] == pytest.approx(math.exp(nll.item()), rel=1e-5)
     plain = evaluate(eval_env["llama"], candidate_scheme="nvfp4a16", calib_samples=calib, data=eval_env["corpus"],
                      samples=SAMPLES, seq_len=SEQ, task="lm", progress=False)  # fmt: skip
     assert r.tasks["lm"]["reference_perplexity"] == plain.tasks["lm"]["reference_perplexity"]
