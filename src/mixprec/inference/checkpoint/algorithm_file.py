@@ -13,7 +13,7 @@ from typing import Any
 from mixprec.errors import MixprecError
 
 ALGORITHM_FILE = "mixprec_algorithm.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: an MoE expert weight rounded to nearest for too few tokens (fallback: "rtn")
 
 
 def algorithm_document(record: dict[str, Any], producer: str) -> dict[str, Any]:
