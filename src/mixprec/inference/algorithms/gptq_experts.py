@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
-from mixprec.inference.checkpoint.block_tensors import fused_global_scales
+from mixprec.inference.algorithms.scale_search import search_weight
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 from mixprec.scaling import QuantizedTensor
 
@@ -46,27 +45,23 @@ def round_to_nearest(w: torch.Tensor, sch: InferenceScheme, global_scale: torch.
     scale search's scales under --algorithm scale-search; an FP8 weight keeps its own per-tensor scale
     (the writer's, not the one GPTQ shares across fused shards)."""
     if search and not sch.is_fp8:
-        g = search_global_scale(global_scale) if global_scale is not None else None
-        return search_scales(w, sch.fmt, sch.weight_granularity, global_scale=g)
+        return search_weight(w, sch.fmt, sch.weight_granularity, global_scale)
     return quantize_weight(w, sch, name=name, global_scale=global_scale)[0]
 
 
 def rtn_group(group: tuple[str, ...], hessian: torch.Tensor | None, tokens: int,
-              modules: Mapping[str, torch.nn.Module], schemes: Mapping[str, InferenceScheme],
-              dtype: torch.dtype, search: bool) -> dict[str, tuple[QuantizedTensor, dict[str, Any]]]:  # fmt: skip
+              weights: Mapping[str, torch.Tensor], schemes: Mapping[str, InferenceScheme],
+              global_scales: Mapping[str, torch.Tensor | None],
+              search: bool) -> dict[str, tuple[QuantizedTensor, dict[str, Any]]]:  # fmt: skip
     """{expert weight: (rounded to nearest, its record)} of an input group that saw too few tokens;
-    hessian: None when it saw none (its output errors are then 0: nothing measured them)."""
-    weights = {m: modules[m].weight.detach() for m in group}
-    nv = {
-        m: float(w.abs().amax())
-        for m, w in weights.items()
-        if schemes[m].weight_granularity.scale_format == "e4m3"
-    }
-    shared = fused_global_scales(nv, dtype)  # the writer's: an expert's w1 and w3 share one
+    hessian: None when it saw none (its output errors are then 0: nothing measured them).
+    global_scales: the NVFP4 global scale each shares with its fused GEMM (gptq_pass.shared_scales:
+    an expert's w1 and w3 share one, as the writer's)."""
     out = {}
     for m, w in weights.items():
+        w = w.detach()
         started = time.perf_counter()
-        q = round_to_nearest(w, schemes[m], shared.get(m), search, f"{m}.weight")
+        q = round_to_nearest(w, schemes[m], global_scales.get(m), search, f"{m}.weight")
         error = 0.0 if hessian is None else _output_error(w, q, hessian)
         out[m] = q, {
             "output_error_rtn": error, "output_error": error, "seconds": round(time.perf_counter() - started, 3),

@@ -180,8 +180,13 @@ class GptqPass:
                 self.short.append((group[0], acc.rows, acc.in_features))
             if j % world == rank() % world and rtn:
                 hessian = acc.finish() if acc.rows else None  # an expert no token reached has none
-                solved.update(rtn_group(group, hessian, acc.rows, modules, self.schemes, self.weight_dtype,
-                                        self.search))  # fmt: skip
+                weights, shared = self._weights_and_shared(group, modules)
+                global_scales = {
+                    m: g for m, (_, g) in shared.items()
+                }  # FP8 keeps its own scale: the writer's
+                solved.update(
+                    rtn_group(group, hessian, acc.rows, weights, self.schemes, global_scales, self.search)
+                )
             elif j % world == rank() % world:  # ours to solve
                 solved.update(self._round_group(group, acc.finish(), acc.rows, modules))
             del acc
@@ -194,13 +199,17 @@ class GptqPass:
                 if self.params.sequential:
                     modules[m].weight.data = q.dequantize(modules[m].weight.dtype)
 
+    def _weights_and_shared(self, group: tuple[str, ...], modules: dict[str, nn.Module]):
+        """({Linear: weight}, shared_scales of the group): the scales a fused GEMM's shards share."""
+        weights = {m: modules[m].weight for m in group}
+        amax = {m: float(w.detach().abs().amax()) for m, w in weights.items()}
+        return weights, shared_scales(group, amax, self.schemes, self.weight_dtype)
+
     def _round_group(self, group: tuple[str, ...], hessian: torch.Tensor, rows: int,
                      modules: dict[str, nn.Module]) -> dict[str, tuple[QuantizedTensor, dict[str, Any]]]:  # fmt: skip
         """{Linear: (its rounded weight, its record)} of one input group (weights not yet replaced)."""
         out = {}
-        weights = {m: modules[m].weight for m in group}
-        amax = {m: float(w.detach().abs().amax()) for m, w in weights.items()}
-        shared = shared_scales(group, amax, self.schemes, self.weight_dtype)
+        weights, shared = self._weights_and_shared(group, modules)
         # one factor for the group, made in the Hessian's memory (it is spent: records come from the factor)
         factor = solve_factor(
             hessian, self.params.damp, self.params.act_order, f"{group[0]}.weight", consume=True

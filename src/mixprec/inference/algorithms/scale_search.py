@@ -71,6 +71,13 @@ def search_scales(
     return quantize(w, fmt, g, scale=best_scale, global_scale=global_scale)
 
 
+def search_weight(w: torch.Tensor, fmt: Format, g: Granularity, fused_global_scale: torch.Tensor | None) -> QuantizedTensor:  # fmt: skip
+    """A weight's scale search as the writer stores it (checkpoint, live model, an MoE expert's fallback):
+    NVFP4 with its fused GEMM's round-to-nearest global scale given the search's headroom (None: from w)."""
+    g_scale = None if fused_global_scale is None else search_global_scale(fused_global_scale)
+    return search_scales(w, fmt, g, global_scale=g_scale)
+
+
 def _candidates(scale: torch.Tensor, g: Granularity) -> list[torch.Tensor]:
     if g.scale_format == "e8m0":
         return [scale * 0.5, scale * 2.0]
@@ -94,4 +101,11 @@ def _block_errors(x: torch.Tensor, q: QuantizedTensor, column_weights: torch.Ten
     return err.view(n, -1, width).sum(-1)
 
 
-__all__ = ["NVFP4_SEARCH_HEADROOM", "SCALE_FACTORS", "search_global_scale", "search_scales", "searchable"]
+__all__ = [
+    "NVFP4_SEARCH_HEADROOM",
+    "SCALE_FACTORS",
+    "search_global_scale",
+    "search_scales",
+    "search_weight",
+    "searchable",
+]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mixprec.inference.algorithms.gptq_pass import rounding_stats
-from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
+from mixprec.inference.algorithms.scale_search import search_weight
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale, layer_tensors
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.inference.checkpoint.scales_file import compact_entry
@@ -118,8 +118,7 @@ def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=
     (scale_search.py), the global scale with the search's headroom."""
     if search:
         check_finite(w, info.name)
-        g = search_global_scale(global_scale) if global_scale is not None else None
-        q = search_scales(w, sch.fmt, sch.weight_granularity, global_scale=g)
+        q = search_weight(w, sch.fmt, sch.weight_granularity, global_scale)
         return (*block_outputs(q, rounding_stats(w, q), info, module, shape, sch, in_amax), None)
     payload = out_pool.get()
     dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8

@@ -18,7 +18,7 @@ from mixprec.errors import MixprecError
 from mixprec.formats import E4M3, check_float_tensor
 from mixprec.inference.algorithms.fold_stage import fold_model_, fold_names, folds_need_data
 from mixprec.inference.algorithms.gptq_pass import GptqPass, rounding_stats
-from mixprec.inference.algorithms.scale_search import search_global_scale, search_scales
+from mixprec.inference.algorithms.scale_search import search_weight
 from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.layerwise import calibrate_blockwise
@@ -225,12 +225,9 @@ def _search_scales(modules: dict[str, nn.Module], targets: list[str], sch: Infer
     with the search's headroom)."""
     out = {}
     for name in targets:
-        g = weight_globals.get(name)
         w = modules[name].weight.detach()
         check_float_tensor(w, f"{name}.weight")
-        out[name] = search_scales(
-            w, sch.fmt, sch.weight_granularity, global_scale=None if g is None else search_global_scale(g)
-        )
+        out[name] = search_weight(w, sch.fmt, sch.weight_granularity, weight_globals.get(name))
     return out
 
 
