@@ -16,6 +16,12 @@ WORK/runs/NAME.json holds each quantize run's record and WORK/eval/NAME.json its
 tool-recipe-scheme); --reuse takes those that exist instead of running again. --adopt NAME=DIR,TIMELOG[,EVAL]
 takes a checkpoint made earlier, its wall time and peak RSS read from a GNU `/usr/bin/time -v` log, and
 optionally its evaluate JSON, made with the same evaluate settings.
+
+--val-data (bench/make_smollm2.py writes val.txt, disjoint from the windows scored on stdlib.txt) also scores
+every checkpoint on --val-samples x --val-seq-len tokens of that validation split (WORK/val/NAME.json); each
+tool's best recipe per scheme is the one of least validation perplexity change, and a second table gives, on
+the held-out split, mixprec's best minus llm-compressor's best with its paired interval beside a tenth of
+mixprec's RTN gap (issue 28's bound: an upper end at most that reads "no worse").
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchor_llmcompressor import RECORD, checkpoint_stats
 from child_rss import run_measured
+from gap_closed import blocks, change_minus, same_blocks
+from mixprec.verdicts import paired_bootstrap
+from mixprec.verdicts import perplexity_change as ppl_change
 
 ANCHOR = Path(__file__).resolve().parent / "anchor_llmcompressor.py"
 MIXPREC_RECIPES = (
@@ -128,14 +137,20 @@ def quantize_llmc(args: argparse.Namespace, recipe: str, scheme: str, ignore: li
     return run
 
 
-def evaluate(args: argparse.Namespace, run: Run) -> Path:
-    report = args.work / "eval" / f"{run.name}.json"
+def evaluate(args: argparse.Namespace, run: Run, split: str = "eval") -> Path:
+    """Score run's checkpoint on the held-out split ("eval": --data) or the validation split ("val")."""
+    data, samples, seq_len = (
+        (args.data, args.eval_samples, args.eval_seq_len)
+        if split == "eval"
+        else (args.val_data, args.val_samples, args.val_seq_len)
+    )
+    report = args.work / split / f"{run.name}.json"
     if args.reuse and report.exists():
         return report
     cmd = [sys.executable, "-m", "mixprec", "evaluate", "--reference", str(args.model), "--candidate", run.output,
-           "--data", str(args.data), "--task", "lm", "--samples", str(args.eval_samples),
-           "--seq-len", str(args.eval_seq_len), "--json", str(report), "--force", "--no-progress"]  # fmt: skip
-    timed(cmd, args.work / "eval" / f"{run.name}.log")
+           "--data", str(data), "--task", "lm", "--samples", str(samples),
+           "--seq-len", str(seq_len), "--json", str(report), "--force", "--no-progress"]  # fmt: skip
+    timed(cmd, args.work / split / f"{run.name}.log")
     return report
 
 
@@ -232,12 +247,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--eval-seq-len", type=int, default=512)
+    p.add_argument(
+        "--val-data",
+        type=Path,
+        help="validation text (another file): each tool's best recipe "
+        "per scheme is the one of least perplexity change on it, reported on --data",
+    )
+    p.add_argument("--val-samples", type=int, default=32)
+    p.add_argument("--val-seq-len", type=int, default=512)
     p.add_argument("--adopt", nargs="*", default=[], metavar="NAME=DIR,TIMELOG[,EVAL]")
     p.add_argument("--reuse", action="store_true", help="take runs and reports already in --work")
     p.add_argument("--no-eval", action="store_true", help="quantize only; the table has no perplexity")
     args = p.parse_args(argv)
     if args.calib.resolve() == args.data.resolve():
         p.error("--data must be held out from --calib (another file)")
+    if args.val_data and args.val_data.resolve() in (args.calib.resolve(), args.data.resolve()):
+        p.error("--val-data must be another file than --calib and --data")
     if args.eval_samples * args.eval_seq_len < 64 * 128:
         p.error("the held-out split needs at least 64 x 128 tokens")
     if args.llmc and not args.llmc_python.exists():
@@ -245,9 +270,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def best_by_validation(runs: list[Run], val: dict[str, dict]) -> dict[tuple[str, str], Run]:
+    """{(scheme, tool): the run of least validation perplexity change}: each tool's best recipe."""
+    best: dict[tuple[str, str], Run] = {}
+    for run in runs:
+        key = (run.scheme, run.tool)
+        if key not in best or perplexity_change(val[run.name])[0] < perplexity_change(val[best[key].name])[0]:
+            best[key] = run
+    return best
+
+
+def best_table(args: argparse.Namespace, runs: list[Run], val: dict[str, dict]) -> str:
+    """Per scheme: each tool's recipe chosen on the validation split, its held-out change, and mixprec's best
+    minus llm-compressor's best on the held-out split (paired interval) beside a tenth of RTN's gap."""
+    best = best_by_validation(runs, val)
+    lines = ["| scheme | mixprec's best (validation change) | llm-compressor's best (validation change) | "
+             "held-out: mixprec's best minus llm-compressor's [95 %] | a tenth of RTN's gap |",
+             "|---|---|---|---:|---:|"]  # fmt: skip
+    for scheme in args.schemes:
+        mine, theirs = best.get((scheme, "mixprec")), best.get((scheme, "llm-compressor"))
+        rtn = next(
+            (r for r in runs if r.scheme == scheme and r.tool == "mixprec" and r.recipe == "rtn"), None
+        )
+        if mine is None or theirs is None or rtn is None:
+            continue
+        held = {r.name: args.work / "eval" / f"{r.name}.json" for r in (mine, theirs, rtn)}
+        ref, base, tokens, _ = blocks(held[rtn.name])
+        _, cand = same_blocks(held[mine.name], ref, tokens, held[rtn.name])
+        _, anchor = same_blocks(held[theirs.name], ref, tokens, held[rtn.name])
+        d = paired_bootstrap(change_minus, ref, anchor, cand, tokens)
+        tenth = float(ppl_change(ref, base, tokens)) / 10  # as gap_closed.py states the bound
+        chosen = [f"{r.recipe} ({perplexity_change(val[r.name])[0]:+.2%})" for r in (mine, theirs)]
+        lines.append(f"| {scheme} | {chosen[0]} | {chosen[1]} | "
+                     f"{d.estimate:+.2%} [{d.low:+.2%}, {d.high:+.2%}] | {tenth:.2%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for sub in ("runs", "eval"):
+    for sub in ("runs", "eval", "val"):
         (args.work / sub).mkdir(parents=True, exist_ok=True)
     runs = collect(args)
     rows = [(r, None if args.no_eval else json.loads(evaluate(args, r).read_text())) for r in runs]
@@ -255,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{same_tokens(runs)}; evaluated on {args.eval_samples} x {args.eval_seq_len} tokens of {args.data}"
     )
+    if args.val_data and not args.no_eval:
+        val = {r.name: json.loads(evaluate(args, r, "val").read_text()) for r in runs}
+        print(
+            f"\nBest recipes, chosen on {args.val_samples} x {args.val_seq_len} tokens of {args.val_data}:\n"
+        )
+        print(best_table(args, runs, val))
     return 0
 
 

@@ -25,7 +25,7 @@ import torch
 from mixprec.verdicts import gap_closed, paired_bootstrap, perplexity_change
 
 
-def _blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+def blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     doc = json.loads(path.read_text())
     per = doc["per_sample"]
     ref, cand, tokens = (torch.tensor(per[f"lm.block_{k}"], dtype=torch.float64)
@@ -39,8 +39,8 @@ def main() -> int:
     p.add_argument("candidates", type=Path, nargs="+")
     p.add_argument("--against", type=Path, help="an anchor's evaluate --json, scored on the same blocks")
     args = p.parse_args()
-    ref, base, tokens, base_name = _blocks(args.baseline)
-    anchor = _same_blocks(args.against, ref, tokens, args.baseline)[1] if args.against else None
+    ref, base, tokens, base_name = blocks(args.baseline)
+    anchor = same_blocks(args.against, ref, tokens, args.baseline)[1] if args.against else None
     extra = (
         " | change minus the anchor's [95 %] (a tenth of the baseline's gap) |"
         if anchor is not None
@@ -52,29 +52,29 @@ def main() -> int:
     print(f"| {base_name} | {gap0.estimate:+.1%} [{gap0.low:+.1%}, {gap0.high:+.1%}] | (baseline) |"
           + (" |" if anchor is not None else ""))  # fmt: skip
     for path in args.candidates:
-        name, cand = _same_blocks(path, ref, tokens, args.baseline)
+        name, cand = same_blocks(path, ref, tokens, args.baseline)
         gap = paired_bootstrap(perplexity_change, ref, cand, tokens)
         share = paired_bootstrap(gap_closed, ref, base, cand, tokens)
         row = (f"| {name} | {gap.estimate:+.1%} [{gap.low:+.1%}, {gap.high:+.1%}] | "
                f"{share.estimate:.1%} [{share.low:.1%}, {share.high:.1%}] |")  # fmt: skip
         if anchor is not None:
-            d = paired_bootstrap(_change_minus, ref, anchor, cand, tokens)
+            d = paired_bootstrap(change_minus, ref, anchor, cand, tokens)
             row += f" {d.estimate:+.2%} [{d.low:+.2%}, {d.high:+.2%}] ({gap0.estimate / 10:.2%}) |"
         print(row)
     return 0
 
 
-def _same_blocks(
+def same_blocks(
     path: Path, ref: torch.Tensor, tokens: torch.Tensor, baseline: Path
 ) -> tuple[str, torch.Tensor]:
     """(its candidate's name, its per-block NLL), refused unless scored like the baseline."""
-    ref_c, cand, tokens_c, name = _blocks(path)
+    ref_c, cand, tokens_c, name = blocks(path)
     if not (torch.equal(ref_c, ref) and torch.equal(tokens_c, tokens)):
         raise SystemExit(f"{path}: not scored on the same blocks with the same reference as {baseline}")
     return name, cand
 
 
-def _change_minus(
+def change_minus(
     ref: torch.Tensor, anchor: torch.Tensor, cand: torch.Tensor, tokens: torch.Tensor
 ) -> torch.Tensor:
     """The candidate's perplexity change minus the anchor's, per row (both against the reference)."""

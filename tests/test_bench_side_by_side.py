@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -153,3 +154,45 @@ def test_timed_reports_the_childs_own_peak_rss(sbs, tmp_path):
     assert (tmp_path / "small.log").read_text() == "ok\n"
     with pytest.raises(SystemExit, match="failed"):
         sbs.timed([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "fail.log")
+
+
+def _report(change: float, block_nll: list[float] | None = None) -> dict:
+    """An evaluate --json with a perplexity change and (optionally) per-block NLL sums, 4 blocks of 100
+    tokens whose reference NLL is 200 each."""
+    doc = {"tasks": {"lm": {"intervals": {"perplexity_relative_change": {"estimate": change, "low": change, "high": change}}}}}  # fmt: skip
+    if block_nll is not None:
+        doc["candidate"] = {"source": "x"}
+        doc["per_sample"] = {"lm.block_reference_nll": [200.0] * 4, "lm.block_candidate_nll": block_nll,
+                             "lm.block_tokens": [100.0] * 4}  # fmt: skip
+    return doc
+
+
+def test_best_recipe_is_chosen_on_validation_and_reported_held_out(sbs, tmp_path):
+    import argparse
+
+    (tmp_path / "eval").mkdir()
+    runs = [
+        sbs.Run("mixprec", "rtn", "nvfp4a16", "/a", 1.0, 1.0),
+        sbs.Run("mixprec", "gptq", "nvfp4a16", "/b", 1.0, 1.0),
+        sbs.Run("mixprec", "awq,gptq", "nvfp4a16", "/c", 1.0, 1.0),
+        sbs.Run("llm-compressor", "gptq", "nvfp4a16", "/d", 1.0, 1.0),
+        sbs.Run("llm-compressor", "awq+gptq", "nvfp4a16", "/e", 1.0, 1.0),
+    ]
+    # validation: mixprec's gptq and llm-compressor's awq+gptq are best; held out, mixprec's awq,gptq would be
+    val = dict(zip([r.name for r in runs], [_report(c) for c in (0.3, 0.05, 0.06, 0.08, 0.07)], strict=True))
+    held = {"rtn": [220.0] * 4, "gptq": [204.0, 205.0, 206.0, 205.0], "awq-gptq": [201.0] * 4}
+    for run in runs:
+        nll = held.get(sbs.slug(run.recipe), [203.0, 204.0, 205.0, 204.0])
+        (tmp_path / "eval" / f"{run.name}.json").write_text(json.dumps(_report(0.0, nll)))
+    best = sbs.best_by_validation(runs, val)
+    assert best[("nvfp4a16", "mixprec")].recipe == "gptq"
+    assert best[("nvfp4a16", "llm-compressor")].recipe == "awq+gptq"
+    args = argparse.Namespace(schemes=["nvfp4a16"], work=tmp_path)
+    row = sbs.best_table(args, runs, val).splitlines()[2]
+    # held out: mixprec's gptq (mean NLL 2.05) minus llm-compressor's awq+gptq (2.01), reference 2.0
+    expected = math.exp(0.05) - math.exp(0.01)
+    assert row.startswith("| nvfp4a16 | gptq (+5.00%) | awq+gptq (+7.00%) | ")
+    low, high = (float(x.rstrip("%")) / 100 for x in row.split("[")[1].split("]")[0].split(", "))
+    assert low <= high and low > 0
+    assert float(row.split(" | ")[3].split()[0].rstrip("%")) / 100 == pytest.approx(expected, abs=1e-4)
+    assert row.endswith("| 2.21% |")  # RTN: mean NLL 2.2, a change of e^0.2 - 1
