@@ -216,11 +216,45 @@ def _never_expert_3(monkeypatch) -> None:
     monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", never_expert_3)
 
 
-def test_moe_expert_without_calibration_tokens_is_named(moe_dir, calib_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layer_by_layer", [False, True])
+def test_moe_expert_without_calibration_tokens_takes_its_layers_largest_scale(
+    moe_dir, calib_file, tmp_path, monkeypatch, layer_by_layer
+):
+    """fp8-static with an expert the router never picks: its input scale is the largest of its layer's
+    other experts for the same fused parameter (w1/w3: gate_up, w2: down), as vLLM serves the layer; one
+    warning names the six weights; the others keep their own scales."""
     _never_expert_3(monkeypatch)
-    with pytest.raises(MixprecError, match=r"routed no token to MoE expert weight '.*experts\.3\.w1'"):
-        _quantize(moe_dir, tmp_path / "q", "fp8-static", calib_file)
-    assert list(tmp_path.iterdir()) == []
+    with pytest.warns(UserWarning, match=r"routed no token to 6 MoE expert weight\(s\) \('.*experts\.3\.w1'"):
+        report = _quantize(moe_dir, tmp_path / "q", "fp8-static", calib_file, layer_by_layer=layer_by_layer)
+    assert len([w for w in report.warnings if "routed no token" in w]) == 1
+    tensors = read_tensors(tmp_path / "q")
+    scale = {n[: -len(".input_scale")]: float(v) for n, v in tensors.items() if n.endswith(".input_scale")}
+    for i in range(2):
+        for ws in ((1, 3), (2,)):
+            seen = [scale[EXPERT.format(i, e, w)] for e in range(3) for w in ws]
+            assert all(s > 0 for s in seen) and len(set(seen)) > 1  # their own scales, not one shared
+            for w in ws:
+                assert scale[EXPERT.format(i, 3, w)] == max(seen)
+
+
+def test_unreached_experts_of_a_whole_parameter_are_an_error():
+    from mixprec.conversion import ConversionReport
+    from mixprec.inference.checkpoint.linear_weights import ExpertSlot, LinearWeights
+    from mixprec.inference.producers.quantize_calibration import unreached_experts_take_layer_max
+
+    lw = LinearWeights()
+    for e in range(2):
+        lw.experts[f"e{e}.w2"] = ExpertSlot("m.experts.down_proj", e, 0, 1, 8)
+        lw.experts[f"e{e}.w1"] = ExpertSlot("m.experts.gate_up_proj", e, 0, 2, 8)
+    amax = {"e0.w2": 0.0, "e1.w2": 0.0, "e0.w1": 2.0, "e1.w1": 0.0, "q_proj": 0.5}
+    with pytest.raises(MixprecError, match=r"no token to any expert of 'm\.experts\.down_proj'"):
+        unreached_experts_take_layer_max(amax, lw, ConversionReport("fp8-static", "fp8", "cpu", "bf16"))
+    amax["e0.w2"] = 3.0
+    report = ConversionReport("fp8-static", "fp8", "cpu", "bf16")
+    with pytest.warns(UserWarning, match="2 MoE expert weight"):
+        got = unreached_experts_take_layer_max(amax, lw, report)
+    assert got == {"e0.w2": 3.0, "e1.w2": 3.0, "e0.w1": 2.0, "e1.w1": 2.0, "q_proj": 0.5}
+    assert amax["e1.w2"] == 0.0  # the input is not modified
 
 
 def test_unrecognised_expert_weights_are_reported_and_warned(moe_dir, tmp_path, monkeypatch):
@@ -360,3 +394,17 @@ def test_gptq_expert_below_the_threshold_is_rounded_to_nearest(moe_dir, calib_fi
         else:
             assert "fallback" not in rec and rec["output_error"] < rec["output_error_rtn"], name
             assert not torch.equal(a[f"{name}.weight"], b[f"{name}.weight"]), name
+
+
+def test_gptq_w4a4_with_an_unreached_expert_completes(moe_dir, calib_file, tmp_path, monkeypatch):
+    """nvfp4 (static activation global scales) under GPTQ with an expert the router never picks: the
+    expert is rounded to nearest and its input global scale is its layer's (the smallest global scale,
+    i.e. the largest amax, of the same fused parameter); nothing fails after the walk."""
+    _never_expert_3(monkeypatch)
+    report, said = _gptq(moe_dir, tmp_path / "q", "nvfp4", calib_file)
+    assert any("routed no token to 6 MoE expert weight(s)" in w for w in said)
+    assert report.algorithm["layers"][EXPERT.format(0, 3, 1)]["fallback"] == "rtn"
+    tensors = read_tensors(tmp_path / "q")
+    for w in (1, 2):
+        scales = [float(tensors[f"{EXPERT.format(1, e, w)}.input_global_scale"]) for e in range(4)]
+        assert scales[3] == min(scales[:3])

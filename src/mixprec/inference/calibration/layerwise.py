@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,7 +47,12 @@ from mixprec.hf import build_model
 from mixprec.inference.calibration.across_ranks import max_across_ranks, sum_across_ranks
 from mixprec.inference.calibration.observers import MaxObserver, Observer, make_observer
 from mixprec.inference.calibration.outside import OutsideLoader, check_captured, load_into, whole_model_advice
-from mixprec.inference.calibration.run import CalibrationResult, CalibrationRun, kv_attention_patch
+from mixprec.inference.calibration.run import (
+    CalibrationResult,
+    CalibrationRun,
+    check_observed,
+    kv_attention_patch,
+)
 from mixprec.inference.checkpoint.linear_weights import model_keys
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
@@ -207,10 +212,10 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
         if undo is not None:
             undo()
     if across_ranks:
-        return _result(*_reduced(observers, kv_obs, batches, len(blocks)), started)
+        return _result(*_reduced(observers, kv_obs, batches, len(blocks)), started, aliases)
     amax = {n: o.amax() for n, o in observers.items()}
     kv = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
-    return _result(amax, kv, _counts(batches), started)
+    return _result(amax, kv, _counts(batches), started, aliases)
 
 
 def _counts(batches: Sequence[torch.Tensor]) -> tuple[int, int, int]:
@@ -237,14 +242,11 @@ def _reduced(observers: dict[str, Observer], kv_obs: dict[int, tuple[Observer, O
 
 
 def _result(amax: dict[str, float], kv: dict[int, tuple[float, float]], counts: tuple[int, int, int],
-            started: float) -> CalibrationResult:  # fmt: skip
+            started: float, may_be_unseen: Collection[str]) -> CalibrationResult:  # fmt: skip
     """The result, once the amaxes are final (after the reduction across ranks: a rank may have seen
-    nothing of an input that another rank saw)."""
-    for n, a in amax.items():
-        if a == 0:
-            raise MixprecError(
-                f"calibration never saw a nonzero input for {n!r}; is the calibration data empty?"
-            )
+    nothing of an input that another rank saw). may_be_unseen: the unfused experts, whose amax stays 0
+    when the router never picked them (the caller decides what they get)."""
+    check_observed(amax, may_be_unseen)
     samples, tokens, n_batches = counts
     run = CalibrationRun(
         samples=samples, tokens=tokens, batches=n_batches, samples_available=samples, stopped="cap",

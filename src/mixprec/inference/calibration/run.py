@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -251,6 +251,13 @@ class NothingObserved(MixprecError):
         self.module = module
 
 
+def check_observed(amax: Mapping[str, float], may_be_unseen: Collection[str] = ()) -> None:
+    """Raise NothingObserved for the first Linear that saw no nonzero input, unless it may (an expert)."""
+    for n, a in amax.items():
+        if a == 0 and n not in may_be_unseen:
+            raise NothingObserved(n)
+
+
 @dataclass
 class CalibrationResult:
     input_amax: dict[str, float]  # Linear name -> input amax
@@ -267,9 +274,12 @@ def calibrate(
     kv_cache: bool = False,
     stop: StopRule | None = None,
     progress: Any = None,
+    may_be_unseen: Collection[str] = (),
 ) -> CalibrationResult:
     """Run `batches` through `model` until the stop rule holds (default StopRule()) or they run out:
-    the observed amax of every Linear's input (and of keys and values with kv_cache), and the run."""
+    the observed amax of every Linear's input (and of keys and values with kv_cache), and the run.
+    may_be_unseen: Linears whose amax may stay 0 (MoE experts the router never picked); any other
+    Linear that saw nothing raises NothingObserved."""
     rule = StopRule() if stop is None else stop
     modules = dict(model.named_modules())
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
@@ -304,8 +314,6 @@ def calibrate(
             undo()
         model.train(was_training)
     amax = {n: o.amax() for n, o in observers.items()}
-    for n, a in amax.items():
-        if a == 0:
-            raise NothingObserved(n)
+    check_observed(amax, may_be_unseen)
     kv_amax = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
     return CalibrationResult(amax, kv_amax, run)
