@@ -106,17 +106,31 @@ FUSED_SHARDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 _FUSED_NAME = {shard: fused for fused, shards in FUSED_SHARDS for shard in shards}
 # every projection of every expert of one MoE block: engines build one fused-experts layer from them
-_EXPERT = re.compile(r"((?:.*\.)?experts)\.\d+(?:\.|$)")
+# (checkpoint names `experts.<e>.w1`; an unfused live model's `experts.projections.<attr>.<e>.<part>`)
+_EXPERT = re.compile(r"((?:.*\.)?experts)\.(?:projections\.\w+\.)?\d+(?:\.|$)")
+# one expert's gate and up parts in a live model whose experts were unfused (runtime/experts.py): the
+# engines' w13 of that expert, as `experts.<e>.w1` / `.w3` are in a checkpoint
+_UNFUSED_GATE_UP = re.compile(r"(.*\.projections\.gate_up_proj\.\d+)\.\d+$")
 
 
 def fused_shard_group(name: str) -> str | None:
     """The fused GEMM that module `name` is a shard of ("a.self_attn.q_proj" -> "a.self_attn.qkv_proj";
-    "a.experts.3.w1" -> "a.experts.3.w13"), or None. Its shards share a scheme and one global scale."""
+    "a.experts.3.w1" -> "a.experts.3.w13"; an unfused live expert's "a.experts.projections.gate_up_proj.3.0"
+    -> "a.experts.projections.gate_up_proj.3"), or None. Its shards share a scheme and one global scale."""
+    unfused = _UNFUSED_GATE_UP.match(name)
+    if unfused is not None:
+        return unfused.group(1)
     parent, _, leaf = name.rpartition(".")
     fused = _FUSED_NAME.get(leaf)
     if fused is None:
         return None
     return f"{parent}.{fused}" if parent else fused
+
+
+def _position(name: str, position: dict[str, int]) -> int:
+    """A shard's place along the fused output dim: its name's (q, k, v...), or an unfused part's index."""
+    leaf = name.rpartition(".")[2]
+    return int(leaf) if leaf.isdigit() else position[leaf]
 
 
 def fused_group_of(name: str) -> str:
@@ -151,7 +165,7 @@ def fused_shards(names: Iterable[str]) -> dict[str, list[str]]:
         if fused is not None:
             out.setdefault(fused, []).append(name)
     for members in out.values():
-        members.sort(key=lambda n: position[n.rpartition(".")[2]])
+        members.sort(key=lambda n: _position(n, position))
     return out
 
 

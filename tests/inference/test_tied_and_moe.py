@@ -238,23 +238,16 @@ def test_moe_expert_without_calibration_tokens_takes_its_layers_largest_scale(
 
 
 def test_unreached_experts_of_a_whole_parameter_are_an_error():
-    from mixprec.conversion import ConversionReport
-    from mixprec.inference.checkpoint.linear_weights import ExpertSlot, LinearWeights
-    from mixprec.inference.producers.quantize_calibration import unreached_experts_take_layer_max
+    from mixprec.inference.calibration.run import unseen_take_group_max
 
-    lw = LinearWeights()
-    for e in range(2):
-        lw.experts[f"e{e}.w2"] = ExpertSlot("m.experts.down_proj", e, 0, 1, 8)
-        lw.experts[f"e{e}.w1"] = ExpertSlot("m.experts.gate_up_proj", e, 0, 2, 8)
+    group_of = {"e0.w2": "down", "e1.w2": "down", "e0.w1": "gate_up", "e1.w1": "gate_up"}
     amax = {"e0.w2": 0.0, "e1.w2": 0.0, "e0.w1": 2.0, "e1.w1": 0.0, "q_proj": 0.5}
-    with pytest.raises(MixprecError, match=r"no token to any expert of 'm\.experts\.down_proj'"):
-        unreached_experts_take_layer_max(amax, lw, ConversionReport("fp8-static", "fp8", "cpu", "bf16"))
+    with pytest.raises(MixprecError, match=r"no token to any expert of 'down'"):
+        unseen_take_group_max(amax, group_of)
     amax["e0.w2"] = 3.0
-    report = ConversionReport("fp8-static", "fp8", "cpu", "bf16")
-    with pytest.warns(UserWarning, match="2 MoE expert weight"):
-        got = unreached_experts_take_layer_max(amax, lw, report)
+    got, unseen = unseen_take_group_max(amax, group_of)
     assert got == {"e0.w2": 3.0, "e1.w2": 3.0, "e0.w1": 2.0, "e1.w1": 2.0, "q_proj": 0.5}
-    assert amax["e1.w2"] == 0.0  # the input is not modified
+    assert unseen == ["e1.w2", "e1.w1"] and amax["e1.w2"] == 0.0  # the input is not modified
 
 
 def test_unrecognised_expert_weights_are_reported_and_warned(moe_dir, tmp_path, monkeypatch):
@@ -408,3 +401,89 @@ def test_gptq_w4a4_with_an_unreached_expert_completes(moe_dir, calib_file, tmp_p
     for w in (1, 2):
         scales = [float(tensors[f"{EXPERT.format(1, e, w)}.input_global_scale"]) for e in range(4)]
         assert scales[3] == min(scales[:3])
+
+
+def test_gptq_plan_counts_every_experts_hessian(moe_dir):
+    """The plan's GPTQ term holds one block's Hessians as the walk does: per expert one for w1/w3 (their
+    shared input, hidden^2) and one for w2 (intermediate^2), beside attention's q/k/v and o (fp32)."""
+    from mixprec.inference.producers.quantize_plan import plan_quantize
+
+    # enough calibration tokens that the block-by-block stage is the peak and its terms are the plan's
+    plan = plan_quantize(moe_dir, moe_dir.parent / "unused", "nvfp4a16", algorithm="gptq", calib_data="x.txt",
+                         calib_samples=1024, calib_seq_len=2048)  # fmt: skip
+    hidden, inter, experts = 128, 256, 4
+    expected = 4 * (experts * (hidden**2 + inter**2) + hidden**2 + 256**2)  # o_proj reads 4 heads x 64
+    assert plan.memory.terms["GPTQ: the Hessians of one block (in^2 fp32 per input group)"] == expected
+
+
+def test_unfusing_live_experts_keeps_the_forward(input_ids):
+    from mixprec.inference.runtime.experts import UnfusedExperts, unfuse_live
+
+    model, original = tiny_mixtral(), tiny_mixtral()
+    paths, left = unfuse_live(model)
+    assert left == {} and len(paths) == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    assert paths["model.layers.1.mlp.experts.projections.gate_up_proj.3.1"] == (
+        "model.layers.1.mlp.experts.gate_up_proj"
+    )
+    assert isinstance(model.model.layers[0].mlp.experts, UnfusedExperts)
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3]  # the fused parameters left the model
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, original(input_ids).logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "nvfp4a16", "fp8-static"])
+def test_live_moe_experts_are_quantized_as_the_checkpoint(moe_dir, calib_file, input_ids, tmp_path, scheme):
+    """mixprec.quantize_model_ on a live MoE model quantizes every expert weight (transformers holds them
+    fused in 3-D) exactly as quantize_checkpoint writes them: the same payloads, weight and input scales,
+    gate and up of one expert sharing their NVFP4 global scale."""
+    from mixprec.hf import load_tokenizer
+
+    _quantize(moe_dir, tmp_path / "q", scheme, calib_file)
+    offline = mixprec.load_quantized(tmp_path / "q")
+    live = tiny_mixtral()
+    report = mixprec.quantize_model_(live, scheme, calib_data=calib_file, tokenizer=load_tokenizer(moe_dir),
+                                     calib_samples=8, calib_seq_len=32)  # fmt: skip
+    assert len(report.converted) == 32 and not report.warnings
+    quantized = {n: m for n, m in live.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(quantized) == 32
+    for name, m in quantized.items():
+        theirs = offline.get_submodule(name)
+        assert torch.equal(m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)), (
+            name
+        )
+        for attr in ("input_scale", "weight_global_scale"):
+            if getattr(theirs, attr, None) is not None:
+                assert torch.equal(getattr(m, attr), getattr(theirs, attr)), (name, attr)
+    with torch.no_grad():  # and they compute what the loaded checkpoint computes
+        torch.testing.assert_close(live(input_ids).logits, offline(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_live_moe_gptq_with_an_unreached_expert(moe_dir, calib_file, tmp_path, monkeypatch):
+    """GPTQ on a live MoE model under a static scheme, expert 3 never routed: it walks the unfused experts
+    as the checkpoint's walk does (same records, same payloads and scales), rounds expert 3 to nearest
+    and gives it its layer's largest input scale, with both warnings."""
+    from mixprec.hf import load_tokenizer
+
+    _never_expert_3(monkeypatch)
+    report, _ = _gptq(moe_dir, tmp_path / "q", "fp8-static", calib_file)
+    offline = mixprec.load_quantized(tmp_path / "q")
+    live = tiny_mixtral()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mine = mixprec.quantize_model_(live, "fp8-static", calib_data=calib_file, algorithm="gptq",
+                                       tokenizer=load_tokenizer(moe_dir), **GPTQ_CALIB)  # fmt: skip
+    said = [str(w.message) for w in caught]
+    assert any("routed no token to 6 MoE expert weight(s)" in w for w in said)
+    assert any(w.startswith("GPTQ: ") and " of 24 MoE expert weight(s)" in w for w in said), said
+    fallen = [n for n, r in mine.algorithm["layers"].items() if r.get("fallback") == "rtn"]
+    theirs_fallen = [n for n, r in report.algorithm["layers"].items() if r.get("fallback") == "rtn"]
+    assert len(fallen) == len(theirs_fallen) >= 6
+    assert len([n for n in fallen if ".gate_up_proj.3." in n or ".down_proj.3." in n]) == 6
+    assert len(mine.algorithm["layers"]) == len(report.algorithm["layers"]) == 32
+    for name, m in live.named_modules():
+        if isinstance(m, QuantizedLinear):
+            theirs = offline.get_submodule(name)
+            assert torch.equal(
+                m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)
+            ), name
+            assert torch.equal(m.input_scale, theirs.input_scale), name

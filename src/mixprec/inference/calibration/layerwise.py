@@ -134,9 +134,11 @@ def calibrate_blockwise(
     kv_cache: bool = False,
     progress: Any = None,
     block_pass: BlockPass | None = None,
+    may_be_unseen: Collection[str] = (),
 ) -> CalibrationResult:
     """calibrate_layerwise on a model already in memory (nothing loaded or dropped): the run a
-    BlockPass needs on a live model (mixprec.quantize_model_ with an algorithm)."""
+    BlockPass needs on a live model (mixprec.quantize_model_ with an algorithm). may_be_unseen: Linears
+    whose amax may stay 0 (MoE experts the router never picked)."""
     prefix, blocks = _block_list(model, getattr(getattr(model, "config", None), "num_hidden_layers", None))
     stray = [n for n in linear_names if not n.startswith(prefix + ".")]
     if stray:
@@ -147,7 +149,7 @@ def calibrate_blockwise(
     model.eval()
     try:
         return _walk(model, prefix, list(blocks), batches, linear_names, observer=observer, kv_cache=kv_cache,
-                     progress=progress, block_pass=block_pass)  # fmt: skip
+                     progress=progress, block_pass=block_pass, may_be_unseen=may_be_unseen)  # fmt: skip
     finally:
         model.train(was_training)
 
@@ -157,13 +159,15 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
           block_pass: BlockPass | None, load: Callable[[int], None] | None = None,
           drop: Callable[[nn.Module], Any] | None = None,
           outside: OutsideLoader | None = None, across_ranks: bool = False,
-          aliases: dict[str, str] | None = None) -> CalibrationResult:  # fmt: skip
+          aliases: dict[str, str] | None = None, may_be_unseen: Collection[str] = ()) -> CalibrationResult:  # fmt: skip
     """Capture the first block's inputs, then per block: load it, run it with the observers' (and
     the pass's) hooks on, let the pass work on it, drop it; the outputs feed the next block.
     outside: what loads the parts outside the blocks during the capture (calibrate_layerwise).
     aliases: {checkpoint module: module path} of the Linears the model names differently (unfused
-    experts), under which the observers and the pass also find them."""
+    experts), under which the observers and the pass also find them; they, and may_be_unseen, may end
+    with amax 0 (experts the router never picked)."""
     aliases = aliases or {}
+    may_be_unseen = {*aliases, *may_be_unseen}
     started = time.perf_counter()
     observers: dict[str, Observer] = {n: make_observer(observer) for n in linear_names}
     kv_obs: dict[int, tuple[Observer, Observer]] = {}
@@ -212,10 +216,10 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
         if undo is not None:
             undo()
     if across_ranks:
-        return _result(*_reduced(observers, kv_obs, batches, len(blocks)), started, aliases)
+        return _result(*_reduced(observers, kv_obs, batches, len(blocks)), started, may_be_unseen)
     amax = {n: o.amax() for n, o in observers.items()}
     kv = {i: (k.amax(), v.amax()) for i, (k, v) in sorted(kv_obs.items())}
-    return _result(amax, kv, _counts(batches), started, aliases)
+    return _result(amax, kv, _counts(batches), started, may_be_unseen)
 
 
 def _counts(batches: Sequence[torch.Tensor]) -> tuple[int, int, int]:

@@ -258,6 +258,43 @@ def check_observed(amax: Mapping[str, float], may_be_unseen: Collection[str] = (
             raise NothingObserved(n)
 
 
+def unseen_take_group_max(
+    amax: Mapping[str, float], group_of: Mapping[str, str]
+) -> tuple[dict[str, float], list[str]]:
+    """(amax with each Linear of `group_of` that saw nothing (amax 0) given the largest amax of its group,
+    those Linears). For MoE experts the group is the layer's fused parameter (gate/up or down): vLLM
+    serves a static FP8 MoE layer with the largest input scale of its experts anyway. A group none of
+    whose Linears saw anything is a MixprecError."""
+    unseen = [n for n, a in amax.items() if a == 0 and n in group_of]
+    if not unseen:
+        return dict(amax), []
+    largest: dict[str, float] = {}
+    for n, a in amax.items():
+        if n in group_of:
+            largest[group_of[n]] = max(largest.get(group_of[n], 0.0), a)
+    out = dict(amax)
+    for n in unseen:
+        out[n] = largest[group_of[n]]
+        if out[n] == 0:
+            raise MixprecError(
+                f"calibration routed no token to any expert of {group_of[n]!r} (e.g. {n!r}): use more "
+                "calibration samples, or keep them in high precision (ignore)"
+            )
+    return out, unseen
+
+
+def unseen_experts_warning(unseen: Sequence[str]) -> str:
+    """What a run says of the expert weights unseen_take_group_max gave their layer's largest amax."""
+    shown = ", ".join(repr(n) for n in unseen[:3]) + (
+        f" and {len(unseen) - 3} more" if len(unseen) > 3 else ""
+    )
+    return (
+        f"calibration routed no token to {len(unseen)} MoE expert weight(s) ({shown}): each takes the largest "
+        "input scale of its layer's other experts (what vLLM serves a static FP8 MoE layer with); more "
+        "calibration samples would calibrate them on their own tokens"
+    )
+
+
 @dataclass
 class CalibrationResult:
     input_amax: dict[str, float]  # Linear name -> input amax

@@ -28,7 +28,12 @@ from mixprec.inference.algorithms.gptq_pass import GptqPass
 from mixprec.inference.calibration.across_ranks import share
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.calibration.layerwise import calibrate_layerwise
-from mixprec.inference.calibration.run import CalibrationResult, calibrate
+from mixprec.inference.calibration.run import (
+    CalibrationResult,
+    calibrate,
+    unseen_experts_warning,
+    unseen_take_group_max,
+)
 from mixprec.inference.checkpoint.linear_weights import LinearWeights
 from mixprec.inference.checkpoint.spill import SpilledResults
 from mixprec.inference.producers.quantize_job import (
@@ -109,7 +114,11 @@ def _calibrate(job: QuantizeJob, source: Source, selection: Selection, report: C
         input_amax = result.input_amax
     else:
         result, model, input_amax = _calibrate_whole_model(job, selection.lw, batches, names)
-    input_amax = unreached_experts_take_layer_max(input_amax, selection.lw, report)
+    input_amax, unseen = unseen_take_group_max(
+        input_amax, {n: s.param for n, s in selection.lw.experts.items()}
+    )
+    if unseen:
+        report.warn(unseen_experts_warning(unseen))
     info = None
     if names or job.kv_cache:
         info = {"data": str(job.calib_data), "seq_len": int(batches[0].shape[1]), "observer": job.observer,
@@ -179,40 +188,6 @@ def _calibrate_whole_model(
             stop=job.calib_stop, progress=advance, may_be_unseen=experts,
         )  # fmt: skip
     return result, model, {n: result.input_amax[p] for n, p in paths.items()}
-
-
-def unreached_experts_take_layer_max(
-    input_amax: dict[str, float], lw: LinearWeights, report: ConversionReport
-) -> dict[str, float]:
-    """Input amaxes with each MoE expert weight that calibration routed no token to (amax 0) given the
-    largest amax of its layer's other experts in the same fused parameter (gate/up or down): vLLM serves a
-    fused MoE layer's static FP8 experts with that maximum anyway. A warning names them; a parameter
-    whose experts all saw nothing is an error."""
-    unseen = [n for n, a in input_amax.items() if a == 0 and n in lw.experts]
-    if not unseen:
-        return input_amax
-    layer_max: dict[str, float] = {}
-    for n, a in input_amax.items():
-        if n in lw.experts:
-            param = lw.experts[n].param
-            layer_max[param] = max(layer_max.get(param, 0.0), a)
-    out = dict(input_amax)
-    for n in unseen:
-        out[n] = layer_max[lw.experts[n].param]
-        if out[n] == 0:
-            raise MixprecError(
-                f"calibration routed no token to any expert of {lw.experts[n].param!r} (e.g. {n!r}): "
-                "use more --calib-samples, or keep them in high precision with --ignore"
-            )
-    shown = ", ".join(repr(n) for n in unseen[:3]) + (
-        f" and {len(unseen) - 3} more" if len(unseen) > 3 else ""
-    )
-    report.warn(
-        f"calibration routed no token to {len(unseen)} MoE expert weight(s) ({shown}): each takes the largest "
-        "input scale of its layer's other experts (what vLLM serves a static FP8 MoE layer with); more "
-        "--calib-samples would calibrate them on their own tokens"
-    )
-    return out
 
 
 def available_memory() -> int:

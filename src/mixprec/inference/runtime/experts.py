@@ -162,3 +162,47 @@ def unfuse_skeleton(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dic
         }
         assemble(model, module_name, parts)
     return {n: part_path(slot) for n, slot in slots.items()}
+
+
+_FUSED_ATTRS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def _has_fused(module: nn.Module) -> bool:
+    return any(isinstance(p := getattr(module, a, None), torch.Tensor) and p.dim() == 3 for a in _FUSED_ATTRS)
+
+
+def unfuse_live(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """For quantizing a loaded model in place (runtime/online.py): replace each fused transformers experts
+    module (3-D `gate_up_proj` / `up_proj` and `down_proj`) by an UnfusedExperts of nn.Linears whose
+    weights are views of the fused ones (no copy; the fused parameters leave the model, their storage
+    lives on in the views until the Linears are quantized). Gate and up stay two Linears per expert, as
+    a checkpoint stores them (w1, w3). Returns ({part path: its fused parameter's path}, {experts module
+    left fused: why}); the forward is unchanged (UnfusedExperts runs the same eager computation)."""
+    found = [(name, m) for name, m in model.named_modules() if hasattr(m, "num_experts") and _has_fused(m)]
+    paths: dict[str, str] = {}
+    left: dict[str, str] = {}
+    for module_name, original in found:
+        try:
+            check_supported(original, module_name)
+        except MixprecError as e:
+            left[module_name] = str(e)
+            continue
+        parts: dict[str, tuple[ExpertSlot, nn.Module]] = {}
+        for attr in ("gate_up_proj" if original.has_gate else "up_proj", "down_proj"):
+            fused = getattr(original, attr)
+            n_parts = 2 if attr == "gate_up_proj" else 1
+            rows = fused.shape[1] // n_parts
+            for e in range(fused.shape[0]):
+                for part in range(n_parts):
+                    slot = ExpertSlot(f"{module_name}.{attr}", e, part, n_parts, rows)
+                    lin = nn.Linear(fused.shape[2], rows, bias=False, device="meta")
+                    lin.weight = nn.Parameter(fused.detach()[e, part * rows : (part + 1) * rows],
+                                              requires_grad=fused.requires_grad)  # fmt: skip
+                    parts[part_path(slot)] = (slot, lin)
+                    paths[part_path(slot)] = slot.param
+        assemble(model, module_name, parts)
+        for attr in _FUSED_ATTRS:  # the views hold what the Linears need
+            p = getattr(original, attr, None)
+            if isinstance(p, nn.Parameter):
+                setattr(original, attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta")))
+    return paths, left

@@ -22,9 +22,15 @@ from mixprec.inference.algorithms.scale_search import search_weight
 from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.calibration.layerwise import calibrate_blockwise
-from mixprec.inference.calibration.run import StopRule, calibrate
+from mixprec.inference.calibration.run import (
+    StopRule,
+    calibrate,
+    unseen_experts_warning,
+    unseen_take_group_max,
+)
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales, input_global_scale
 from mixprec.inference.checkpoint.scales_file import compact_entry, layer_entry
+from mixprec.inference.runtime.experts import unfuse_live
 from mixprec.inference.runtime.linear import QuantizedLinear, quantized_linear
 from mixprec.inference.schemes import InferenceScheme, quantize_weight, resolve_ignore, skip_reason
 from mixprec.scaling import QuantizedTensor, compute_scale
@@ -102,8 +108,9 @@ def apply_scheme_(
     sch = InferenceScheme.from_name(scheme)
     spec = _live_algorithm(algorithm, sch)
     patterns = resolve_ignore(ignore, defaults=default_ignore)
+    _check_live_inputs(spec, linear_targets(model, sch, patterns)[0], scales, calib_data)
+    experts, left_fused = unfuse_live(model)  # one Linear per expert weight, as a checkpoint stores them
     targets, skipped = linear_targets(model, sch, patterns)
-    _check_live_inputs(spec, targets, scales, calib_data)
     layers_in = (scales or {}).get("layers", {})
     param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
     report = ConversionReport(
@@ -119,7 +126,7 @@ def apply_scheme_(
     modules = dict(model.named_modules())  # the folds may give a module new parameters (an untied head)
     input_amax, prequantized = _observe(
         model, targets, sch, spec, batches if calib_data is not None else None, scales, layers_in,
-        param_dtype, observer, stop, report,
+        param_dtype, observer, stop, report, experts,
     )  # fmt: skip
     was_training = model.training
     weight_globals = _weight_global_scales(modules, targets, sch, param_dtype)
@@ -132,6 +139,10 @@ def apply_scheme_(
     for name, why in skipped.items():
         m = modules[name]
         report.add_skipped(name, type(m).__name__, m.weight.numel(), why)
+    for name, why in left_fused.items():
+        m = modules[name]
+        report.add_skipped(name, type(m).__name__, sum(p.numel() for p in m.parameters(recurse=False)), why)
+        report.warn(f"the MoE experts {name!r} stay in high precision: {why}")
     model.train(was_training)
     gc.collect()
     report.weight_bytes_after = weight_bytes(model)
@@ -187,14 +198,16 @@ def _token_ids(batches: list[Any], spec: AlgorithmSpec) -> list[torch.Tensor]:
 def _observe(model: nn.Module, targets: list[str], sch: InferenceScheme, spec: AlgorithmSpec,
              batches: Callable[[], Iterable[Any]] | None, scales: dict[str, Any] | None,
              layers_in: dict[str, Any], dtype: torch.dtype, observer: str, stop: StopRule | None,
-             report: ConversionReport) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
+             report: ConversionReport, experts: dict[str, str]) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
     """What the calibration data gives: (static input amax, {Linear: its GPTQ rounding}); GPTQ walks the
     blocks with the static scales observed on the way, else the inputs that lack a given scale are
-    calibrated (batches None: no calib_data)."""
+    calibrated (batches None: no calib_data). experts: {MoE expert weight: its fused parameter}; one no
+    token reached takes its layer's largest input amax (calibration/run.py: unseen_take_group_max)."""
     if spec.uses_gptq and targets and batches is not None:  # _check_live_inputs: batches are given
-        return _run_gptq(
-            model, _token_ids(list(batches()), spec), targets, sch, spec, dtype, observer, report
+        amax, rounded = _run_gptq(
+            model, _token_ids(list(batches()), spec), targets, sch, spec, dtype, observer, report, experts
         )
+        return _unseen_experts(amax, experts, report), rounded
     missing = [n for n in targets if "scale" not in (layers_in.get(n, {}).get("input") or {})]
     if not (sch.needs_calibration and missing):
         return {}, {}
@@ -203,7 +216,17 @@ def _observe(model: nn.Module, targets: list[str], sch: InferenceScheme, spec: A
             f"scheme {sch.name} needs calibration data (calib_data=) for static input scales "
             f"({len(missing)} layers lack them, e.g. {missing[0]!r})"
         )
-    return _calibrate_inputs(model, batches(), missing, observer, stop, report), {}
+    amax = _calibrate_inputs(model, batches(), missing, observer, stop, report, experts)
+    return _unseen_experts(amax, experts, report), {}
+
+
+def _unseen_experts(
+    amax: dict[str, float], experts: dict[str, str], report: ConversionReport
+) -> dict[str, float]:
+    filled, unseen = unseen_take_group_max(amax, {n: g for n, g in experts.items() if n in amax})
+    if unseen:
+        report.warn(unseen_experts_warning(unseen))
+    return filled
 
 
 def _weight_global_scales(modules: dict[str, nn.Module], targets: list[str], sch: InferenceScheme,
@@ -232,9 +255,9 @@ def _search_scales(modules: dict[str, nn.Module], targets: list[str], sch: Infer
 
 
 def _calibrate_inputs(model: nn.Module, batches: Iterable[Any], names: list[str], observer: str,
-                      stop: StopRule | None, report: ConversionReport) -> dict[str, float]:  # fmt: skip
+                      stop: StopRule | None, report: ConversionReport, experts: dict[str, str]) -> dict[str, float]:  # fmt: skip
     """The static input amax of `names` (calibration stops once they settle); recorded in the report."""
-    result = calibrate(model, batches, names, observer=observer, stop=stop)
+    result = calibrate(model, batches, names, observer=observer, stop=stop, may_be_unseen=experts)
     report.calibration = {"observer": observer, **result.run.to_dict()}
     report.notes.append(
         f"calibrated {len(names)} input scales with the {observer} observer on {result.run.samples} "
@@ -244,11 +267,15 @@ def _calibrate_inputs(model: nn.Module, batches: Iterable[Any], names: list[str]
 
 
 def _run_gptq(model: nn.Module, batches: list[Any], targets: list[str], sch: InferenceScheme, spec: AlgorithmSpec,
-              dtype: torch.dtype, observer: str, report: ConversionReport) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
-    """GPTQ over the live model block by block: (static input amax, {Linear: its GPTQ rounding})."""
-    gptq = GptqPass(dict.fromkeys(targets, sch), spec.gptq, dtype, search=spec.uses_scale_search)
+              dtype: torch.dtype, observer: str, report: ConversionReport, experts: dict[str, str]) -> tuple[dict[str, float], dict[str, QuantizedTensor]]:  # fmt: skip
+    """GPTQ over the live model block by block: (static input amax, {Linear: its GPTQ rounding}); an
+    expert weight that saw too few routed tokens is rounded to nearest (gptq_experts.py)."""
+    gptq = GptqPass(dict.fromkeys(targets, sch), spec.gptq, dtype, search=spec.uses_scale_search,
+                    experts=[n for n in targets if n in experts])  # fmt: skip
     static = targets if sch.needs_calibration else []
-    result = calibrate_blockwise(model, batches, static, observer=observer, block_pass=gptq)
+    result = calibrate_blockwise(
+        model, batches, static, observer=observer, block_pass=gptq, may_be_unseen=experts
+    )
     for message in gptq.warnings():
         report.warn(message)
     report.algorithm = gptq.record(spec, batches, result.run.seconds, "calib_data")
