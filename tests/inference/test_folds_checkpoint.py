@@ -113,6 +113,8 @@ def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, t
         report = mixprec.quantize_model_(model, scheme, calib_data=calib_file, tokenizer=load_tokenizer(llama_dir),
                                          algorithm=algorithm, **CALIB)  # fmt: skip
     assert list(report.algorithm["folds"]) == list(written.algorithm["folds"])
+    # a weight-only scheme after the folds alone has nothing left to observe: no calibration pass
+    assert (written.calibration is None) == (algorithm == "awq")
     assert report.algorithm["names"] == algorithm.split(",")
     offline = mixprec.load_quantized(tmp_path / "q")
     quantized = 0

@@ -75,11 +75,11 @@ def calibrate_job(
     """Run the calibration the job needs (NOT_CALIBRATED when it needs none); record it in the report.
     Under a process group of several ranks: a collective (every rank calls it), split across the ranks,
     the same result on every rank (the module docstring)."""
-    if not job.calibrates:
-        return NOT_CALIBRATED
+    names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
+    if not (job.observes and (names or job.kv_cache or job.algorithm.uses_gptq)):
+        return NOT_CALIBRATED  # the folds (awq, smoothquant) have used the data already: nothing to observe
     check_observer_across_ranks(job.observer)
     batches = token_batches(source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len)
-    names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
     layer_by_layer = job.layer_by_layer
     if world_size() > 1:  # the whole-model run's early stop would need every rank's amax after every batch
         layer_by_layer = True

@@ -165,7 +165,13 @@ class QuantizeJob:
 
     @property
     def calibrates(self) -> bool:
+        """The job reads calibration data (for the folds, the observers or GPTQ)."""
         return bool(self.calibrated_schemes) or self.kv_cache or self.algorithm.needs_data
+
+    @property
+    def observes(self) -> bool:
+        """The job runs a calibration pass after the folds: static input or KV scales, or GPTQ's walk."""
+        return bool(self.calibrated_schemes) or self.kv_cache or self.algorithm.uses_gptq
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ def _files(job: QuantizeJob, source: Source, selection: Selection, weight_map: d
 
 def _path(job: QuantizeJob, ckpt: Checkpoint) -> str:
     """How the run calibrates (quantize_calibration.calibrate_job's choice)."""
-    if not job.calibrates:
+    if not job.observes:
         return STREAM
     lbl = job.layer_by_layer
     if lbl is None:
