@@ -92,10 +92,13 @@ def timed(cmd: list[str], log: Path) -> tuple[float, float]:
 
 def calibration_hash(directory: Path) -> str | None:
     """The calibration tokens' sha256 a checkpoint records: mixprec's mixprec_algorithm.json `data_sha256`
-    (sha256 over its batches' int64 ids), or the anchor's `tokens_sha256` (the same bytes); None if none."""
+    (sha256 over its batches' int64 ids; a fold-only run's in its folds' records), or the anchor's
+    `tokens_sha256` (the same bytes); None if none."""
     mixprec_side, anchor_side = directory / "mixprec_algorithm.json", directory / RECORD
     if mixprec_side.exists():
-        return json.loads(mixprec_side.read_text()).get("data_sha256")
+        doc = json.loads(mixprec_side.read_text())
+        folds = [f.get("data_sha256") for f in (doc.get("folds") or {}).values()]
+        return doc.get("data_sha256") or next((h for h in folds if h), None)
     return json.loads(anchor_side.read_text()).get("tokens_sha256") if anchor_side.exists() else None
 
 

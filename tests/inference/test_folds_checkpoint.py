@@ -115,6 +115,10 @@ def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, t
     assert list(report.algorithm["folds"]) == list(written.algorithm["folds"])
     # a weight-only scheme after the folds alone has nothing left to observe: no calibration pass
     assert (written.calibration is None) == (algorithm == "awq")
+    digests = {f: r.get("data_sha256") for f, r in written.algorithm["folds"].items()}
+    assert digests.pop("rotate", None) is None and len(set(digests.values())) == 1  # the data folds' tokens
+    if "gptq" in algorithm:  # GPTQ walks the same tokens
+        assert written.algorithm["data_sha256"] in digests.values()
     assert report.algorithm["names"] == algorithm.split(",")
     offline = mixprec.load_quantized(tmp_path / "q")
     quantized = 0

@@ -17,6 +17,7 @@ from mixprec.inference.algorithms.awq import awq_model_
 from mixprec.inference.algorithms.rotation import rotate_model_
 from mixprec.inference.algorithms.smoothquant import smoothquant_model_
 from mixprec.inference.algorithms.spec import FOLDS, ROTATE, SMOOTHQUANT, AlgorithmSpec
+from mixprec.inference.calibration.data import tokens_sha256
 from mixprec.inference.schemes import InferenceScheme
 
 
@@ -50,6 +51,8 @@ def fold_model_(model: nn.Module, spec: AlgorithmSpec, batches: Sequence[torch.T
             rec = smoothquant_model_(model, batches, alpha=params.alpha)
         else:  # AWQ: its search rounds with each target's own scheme
             rec = awq_model_(model, batches, dict(schemes), n_grid=params.n_grid)
+        if name != ROTATE:  # the data folds name their tokens, as GPTQ's record does
+            rec["data_sha256"] = tokens_sha256(batches)
         record[name] = rec
     return record
 

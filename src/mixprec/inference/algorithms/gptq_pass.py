@@ -19,7 +19,6 @@ expert; one that saw too few is rounded to nearest instead (gptq_experts.py).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from mixprec.inference.calibration.across_ranks import (
     sum_across_ranks,
     sum_in_place,
 )
+from mixprec.inference.calibration.data import tokens_sha256
 from mixprec.inference.calibration.layerwise import Captured
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
 from mixprec.inference.checkpoint.spill import SpilledResults
@@ -121,11 +121,8 @@ class GptqPass:
         self, spec: AlgorithmSpec, batches: Sequence[torch.Tensor], seconds: float, data: str
     ) -> dict[str, Any]:
         """The report's `algorithm` (and the side file's body) after the walk."""
-        digest = hashlib.sha256()
-        for b in batches:
-            digest.update(b.to(torch.int64).numpy().tobytes())
         return {
-            **spec.to_dict(), "data": data, "data_sha256": digest.hexdigest(),
+            **spec.to_dict(), "data": data, "data_sha256": tokens_sha256(batches),
             "samples": sum(len(b) for b in batches), "seq_len": int(batches[0].shape[-1]),
             "tokens": sum(b.numel() for b in batches), "propagation": PROPAGATION[self.params.sequential],
             "seconds": seconds, "layers": self.layers,

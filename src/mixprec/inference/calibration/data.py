@@ -4,6 +4,7 @@ mixprec downloads nothing: a well-known name must have a local copy under ~/.cac
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,3 +89,12 @@ def token_batches(
     length = min(seq_len, len(ids))
     rows = torch.tensor(ids[: n * length], dtype=torch.long).reshape(n, length)
     return list(rows.split(batch_size))
+
+
+def tokens_sha256(batches: Sequence[torch.Tensor]) -> str:
+    """The SHA-256 of calibration batches' token ids (int64, in batch order): what an algorithm's record
+    names its data by, so that two runs (or two tools) can be shown to have seen the same tokens."""
+    digest = hashlib.sha256()
+    for b in batches:
+        digest.update(b.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()
