@@ -120,6 +120,16 @@ def needs_data(recipe: str, scheme: str) -> bool:
     return recipe != "rtn" or not scheme.endswith("a16")
 
 
+def cpu_without_pinned_memory() -> None:
+    """llm-compressor 0.14's AWQ pins its cached activations (IntermediatesCache.pin_memory) for faster
+    copies to a GPU; without an accelerator torch refuses to pin ("Cannot access accelerator device when
+    none is available") and the run fails after the first block. Pinning changes no value, so on a CPU
+    the cache is left unpinned."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+
+
 def run(args: argparse.Namespace) -> dict:
     import compressed_tensors
     import llmcompressor
@@ -144,6 +154,8 @@ def run(args: argparse.Namespace) -> dict:
             "dataset": dataset, "num_calibration_samples": n, "max_seq_length": length,
             "shuffle_calibration_samples": False, "batch_size": 1, "pipeline": "sequential",
         }  # fmt: skip
+    if not torch.cuda.is_available():
+        cpu_without_pinned_memory()
     oneshot(model=model, recipe=build_recipe(args.recipe, args.scheme, args.ignore), **kwargs)
     quantized_seconds = time.perf_counter() - start
     model.save_pretrained(args.output, save_compressed=True)
