@@ -157,3 +157,21 @@ class SimulatedKill(BaseException):
 def directory_files(directory: Path) -> dict[str, bytes]:
     """Every file of a directory by name: two outputs compared byte for byte."""
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def assert_same_quantized(model: nn.Module, offline: nn.Module) -> int:
+    """Every QuantizedLinear of `model` (quantized in memory) equals the one at the same path of `offline`
+    (a checkpoint loaded by load_quantized) bit for bit: its decoded weight and its input and weight
+    global scales where the checkpoint has them. Returns how many were compared."""
+    compared = 0
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            theirs = offline.get_submodule(name)
+            assert torch.equal(
+                m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)
+            ), name
+            for attr in ("input_scale", "weight_global_scale"):
+                if getattr(theirs, attr, None) is not None:
+                    assert torch.equal(getattr(m, attr), getattr(theirs, attr)), (name, attr)
+            compared += 1
+    return compared

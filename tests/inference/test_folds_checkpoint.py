@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from inference_helpers import assert_same_quantized
 
 import mixprec
 from mixprec.conversion import ConversionReport
@@ -121,13 +122,7 @@ def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, t
         assert written.algorithm["data_sha256"] in digests.values()
     assert report.algorithm["names"] == algorithm.split(",")
     offline = mixprec.load_quantized(tmp_path / "q")
-    quantized = 0
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):
-            theirs = offline.get_submodule(name).dequantized_weight(torch.float32)
-            assert torch.equal(m.dequantized_weight(torch.float32), theirs), name
-            quantized += 1
-    assert quantized == 14
+    assert assert_same_quantized(model, offline) == 14
     kept = dict(offline.named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(p.float(), kept[name].float()), name

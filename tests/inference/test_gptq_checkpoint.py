@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from inference_helpers import read_tensors
+from inference_helpers import assert_same_quantized, read_tensors
 
 import mixprec
 from mixprec.errors import MixprecError
@@ -199,12 +199,7 @@ def test_online_gptq_equals_the_checkpoints_bit_for_bit(written, llama_dir, cali
                                          algorithm="gptq", **CALIB)  # fmt: skip
     offline = mixprec.load_quantized(written[scheme][1])
     assert report.algorithm["layers"].keys() == written[scheme][0].algorithm["layers"].keys()
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):
-            theirs = offline.get_submodule(name)
-            assert torch.equal(
-                m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)
-            ), name
+    assert assert_same_quantized(model, offline) > 0
 
 
 def test_online_gptq_refuses_what_it_cannot_use(llama_dir):

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import VOCAB, read_tensors, rel_err, save_with_tokenizer, tiny_llama
+from inference_helpers import (
+    VOCAB,
+    assert_same_quantized,
+    read_tensors,
+    rel_err,
+    save_with_tokenizer,
+    tiny_llama,
+)
 from safetensors.torch import save_file
 
 import mixprec
@@ -444,16 +451,7 @@ def test_live_moe_experts_are_quantized_as_the_checkpoint(moe_dir, calib_file, i
     report = mixprec.quantize_model_(live, scheme, calib_data=calib_file, tokenizer=load_tokenizer(moe_dir),
                                      calib_samples=8, calib_seq_len=32)  # fmt: skip
     assert len(report.converted) == 32 and not report.warnings
-    quantized = {n: m for n, m in live.named_modules() if isinstance(m, QuantizedLinear)}
-    assert len(quantized) == 32
-    for name, m in quantized.items():
-        theirs = offline.get_submodule(name)
-        assert torch.equal(m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)), (
-            name
-        )
-        for attr in ("input_scale", "weight_global_scale"):
-            if getattr(theirs, attr, None) is not None:
-                assert torch.equal(getattr(m, attr), getattr(theirs, attr)), (name, attr)
+    assert assert_same_quantized(live, offline) == 32
     with torch.no_grad():  # and they compute what the loaded checkpoint computes
         torch.testing.assert_close(live(input_ids).logits, offline(input_ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -480,10 +478,4 @@ def test_live_moe_gptq_with_an_unreached_expert(moe_dir, calib_file, tmp_path, m
     assert len(fallen) == len(theirs_fallen) >= 6
     assert len([n for n in fallen if ".gate_up_proj.3." in n or ".down_proj.3." in n]) == 6
     assert len(mine.algorithm["layers"]) == len(report.algorithm["layers"]) == 32
-    for name, m in live.named_modules():
-        if isinstance(m, QuantizedLinear):
-            theirs = offline.get_submodule(name)
-            assert torch.equal(
-                m.dequantized_weight(torch.float32), theirs.dequantized_weight(torch.float32)
-            ), name
-            assert torch.equal(m.input_scale, theirs.input_scale), name
+    assert assert_same_quantized(live, offline) == 32
