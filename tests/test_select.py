@@ -18,6 +18,7 @@ from mixprec.select import (
     fused_group_of,
     fused_groups,
     fused_shard_group,
+    fused_shards,
     lineage,
     matches,
     selects,
@@ -198,6 +199,15 @@ def test_fused_groups():
     experts = [f"{moe}.{e}.{w}" for e in range(4) for w in ("w1", "w2", "w3")]
     assert {fused_group_of(n) for n in experts} == {moe}
     assert fused_group_of("model.layers.0.mlp.experts.0.gate_proj") == "model.layers.0.mlp.experts"
+    # a live model's unfused experts (runtime/experts.py): one group per block; gate and up of one expert fuse
+    live = "model.layers.0.mlp.experts.projections"
+    parts = [f"{live}.gate_up_proj.{e}.{p}" for e in range(4) for p in (0, 1)] + [f"{live}.down_proj.3.0"]
+    assert {fused_group_of(n) for n in parts} == {"model.layers.0.mlp.experts"}
+    assert fused_shards(reversed(parts[:4])) == {
+        f"{live}.gate_up_proj.0": parts[:2],
+        f"{live}.gate_up_proj.1": parts[2:4],
+    }
+    assert fused_shard_group(f"{live}.down_proj.3.0") is None
     assert fused_group_of("model.layers.0.mlp.experts") == "model.layers.0.mlp.experts"  # fused 3-D
     assert fused_group_of("model.layers.0.mlp.shared_experts.0.up_proj") == "model.layers.0.mlp.shared_experts.0.gate_up_proj"  # fmt: skip
     # inside a fused group, the shards of one GEMM share a global scale

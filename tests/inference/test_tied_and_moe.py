@@ -479,3 +479,27 @@ def test_live_moe_gptq_with_an_unreached_expert(moe_dir, calib_file, tmp_path, m
     assert len([n for n in fallen if ".gate_up_proj.3." in n or ".down_proj.3." in n]) == 6
     assert len(mine.algorithm["layers"]) == len(report.algorithm["layers"]) == 32
     assert assert_same_quantized(live, offline) == 32
+
+
+def test_live_experts_outside_the_standard_layout_are_reported(input_ids, monkeypatch):
+    """An experts module UnfusedExperts cannot run (here: block 0's, refused by the layout check) stays
+    fused and in high precision, with a warning and a `skipped` entry; the other block's are quantized."""
+    from mixprec.inference.runtime import experts
+
+    supported = experts.check_supported
+
+    def refuse_block_0(module, name):
+        if name.startswith("model.layers.0."):
+            raise MixprecError(f"{name}: not the standard layout (test)")
+        supported(module, name)
+
+    monkeypatch.setattr(experts, "check_supported", refuse_block_0)
+    model = tiny_mixtral()
+    with pytest.warns(
+        UserWarning, match=r"the MoE experts 'model\.layers\.0\.mlp\.experts' stay in high precision"
+    ):
+        report = mixprec.quantize_model_(model, "fp8-dynamic")
+    assert "model.layers.0.mlp.experts" in report.skipped
+    assert len(report.converted) == 8 + 12  # attention, and block 1's 4 experts x (gate, up, down)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids).logits).all()

@@ -76,7 +76,7 @@ def calibrate_job(
     Under a process group of several ranks: a collective (every rank calls it), split across the ranks,
     the same result on every rank (the module docstring)."""
     names = [n for n in selection.targets if selection.schemes[n].needs_calibration]
-    if not (job.observes and (names or job.kv_cache or job.algorithm.uses_gptq)):
+    if not (names or job.kv_cache or job.algorithm.uses_gptq):
         return NOT_CALIBRATED  # the folds (awq, smoothquant) have used the data already: nothing to observe
     check_observer_across_ranks(job.observer)
     batches = token_batches(source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len)

@@ -223,7 +223,7 @@ def _observe(model: nn.Module, targets: list[str], sch: InferenceScheme, spec: A
 def _unseen_experts(
     amax: dict[str, float], experts: dict[str, str], report: ConversionReport
 ) -> dict[str, float]:
-    filled, unseen = unseen_take_group_max(amax, {n: g for n, g in experts.items() if n in amax})
+    filled, unseen = unseen_take_group_max(amax, experts)
     if unseen:
         report.warn(unseen_experts_warning(unseen))
     return filled
