@@ -12,7 +12,7 @@ from inference_helpers import VOCAB, rel_err, tiny_llama
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.inference.algorithms.awq import awq_model_
+from mixprec.inference.algorithms.awq import awq_model_, awq_scales, weight_means
 from mixprec.inference.algorithms.folds import LINEAR, block_mappings, fold_scales_
 from mixprec.inference.algorithms.smoothquant import smoothquant_applies, smoothquant_model_
 from mixprec.inference.schemes import SCHEMES, InferenceScheme, quantize_weight
@@ -197,21 +197,22 @@ def _parent_io(model, parent, batches):
     return seen
 
 
+@pytest.mark.parametrize("duo", [True, False])
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
-def test_awq_lowers_the_parents_output_error_against_rtn(scheme):
+def test_awq_lowers_the_parents_output_error_against_rtn(scheme, duo):
     original = _outlier_llama(num_key_value_heads=4)
     batches = _batches()
     model = copy.deepcopy(original)
     sch = SCHEMES[scheme]
-    record = awq_model_(model, batches, _quantized_linears(model, sch))
-    assert record["folded"] >= 1
+    record = awq_model_(model, batches, _quantized_linears(model, sch), duo=duo)
+    assert record["folded"] >= 1 and record["duo"] is duo
     # the record's final error of each mapping is what the folded model gives, measured independently
     # (each mapping was searched on the weights the model ends with)
     awq = _parent_errors(original, model, sch, batches)
     for m in block_mappings(model).mappings:
         r = record["mappings"][m.name]
         assert r["error_after"] <= r["error_before"], m.name
-        assert r["folded"] == (r["alpha"] > 0), m.name
+        assert r["folded"] == (r["alpha"] is not None) and r["duo"] == (duo and r["folded"]), m.name
         assert awq[m.parent] == pytest.approx(r["error_after"], rel=1e-3), m.name
     # against round to nearest without scaling: lower in all, on the calibration tokens and on others
     # (a Linear -> Linear fold may cost its previous Linear a little: not each parent is lower)
@@ -227,15 +228,39 @@ def test_awq_lowers_the_parents_output_error_against_rtn(scheme):
         assert rel_err(model(held_out[0]).logits, original(held_out[0]).logits) < 1e-5
 
 
-def test_awq_with_alpha_zero_leaves_every_weight_bit_identical():
+def test_awq_whose_only_candidate_is_one_leaves_every_weight_bit_identical():
     model = _outlier_llama().to(torch.bfloat16)
     before = _state(model)
-    record = awq_model_(model, _batches(n=1), _quantized_linears(model, SCHEMES["nvfp4a16"]), n_grid=1)
+    schemes = _quantized_linears(model, SCHEMES["nvfp4a16"])
+    record = awq_model_(model, _batches(n=1), schemes, n_grid=1, duo=False)  # alpha 0 without duo: s = 1
     assert record["folded"] == 0 and all(
-        r["alpha"] == 0 and not r["folded"] for r in record["mappings"].values()
+        r["alpha"] is None and not r["folded"] for r in record["mappings"].values()
     )
     assert all(r["error_before"] == r["error_after"] > 0 for r in record["mappings"].values())
     assert all(_bits_equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_duo_scales_follow_the_formula_and_the_weight_means_their_blocks():
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(8, 64, generator=g), torch.randn(4, 64, generator=g) * 3
+    w1[2, 5] = 40.0  # one large weight: the other 15 of its NVFP4 block (and its MXFP4 block of 32) shrink
+    schemes = {"a": SCHEMES["nvfp4a16"], "b": SCHEMES["mxfp4a16"]}
+    reference = torch.zeros(64, dtype=torch.float64)
+    for w, block in ((w1, 16), (w2, 32)):  # element by element: |w| over its block's max |w|
+        for r in range(w.shape[0]):
+            for c in range(64):
+                lo = c // block * block
+                reference[c] += abs(float(w[r, c])) / (float(w[r, lo : lo + block].abs().max()) + 1e-6)
+    reference /= 12
+    w_mean = weight_means({"a": w1, "b": w2}, schemes)
+    torch.testing.assert_close(w_mean.double(), reference, rtol=1e-6, atol=0)
+    x_mean = torch.rand(64, generator=g) * 10
+    for alpha in (0.0, 0.35, 0.9):
+        s = [x_mean[c].item() ** alpha / (reference[c].item() ** (1 - alpha) + 1e-4) for c in range(64)]
+        s = torch.tensor(s, dtype=torch.float64).clamp_min(1e-4)
+        s /= (s.max() * s.min()).sqrt()
+        torch.testing.assert_close(awq_scales(x_mean, alpha, w_mean).double(), s, rtol=1e-5, atol=0)
+    assert torch.equal(awq_scales(x_mean, 0.0), torch.ones(64))  # without duo, alpha 0 is s = 1
 
 
 def test_awq_only_touches_mappings_with_quantized_linears():

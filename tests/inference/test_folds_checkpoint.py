@@ -126,3 +126,21 @@ def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, t
     kept = dict(offline.named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(p.float(), kept[name].float()), name
+
+
+@pytest.mark.parametrize(("flags", "duo"), [([], True), (["--no-awq-duo"], False)])
+def test_awq_parameters_from_the_command_line_are_recorded(llama_dir, calib_file, tmp_path, flags, duo):
+    from mixprec.cli import main
+
+    out = tmp_path / "q"
+    argv = ["quantize", "--model", str(llama_dir), "--output", str(out), "--scheme", "nvfp4a16", "--algorithm",
+            "awq", "--awq-grid", "4", "--calib-data", str(calib_file), "--calib-samples", "8",
+            "--calib-seq-len", "32", "--quiet", *flags]  # fmt: skip
+    assert main(argv) == 0
+    doc = read_algorithm_file(out)
+    assert doc["schema_version"] == 3 and doc["awq"] == {"n_grid": 4, "awq_duo": duo}
+    record = doc["folds"]["awq"]
+    assert record["duo"] is duo and record["mappings"]
+    for r in record["mappings"].values():
+        assert r["duo"] == (duo and r["alpha"] is not None)
+        assert r["alpha"] is None or r["alpha"] in (0.0, 0.25, 0.5, 0.75)

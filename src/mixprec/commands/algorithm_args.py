@@ -44,13 +44,19 @@ def add_fold_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"smoothquant: migration strength in [0, 1] (default {folds.alpha})")  # fmt: skip
     group.add_argument("--awq-grid", type=int, default=folds.n_grid, metavar="N",
                        help=f"awq: grid points of the scale exponent in [0, 1) (default {folds.n_grid})")  # fmt: skip
+    group.add_argument(
+        "--awq-duo", action=argparse.BooleanOptionalAction, default=folds.awq_duo,
+        help="awq: scales from activation and weight magnitudes (default on); --no-awq-duo: from the "
+        "activations only",
+    )  # fmt: skip
 
 
 def algorithm_spec(args: argparse.Namespace) -> AlgorithmSpec:
     """--algorithm and its parameters, checked before any work."""
     return AlgorithmSpec.parse(args.algorithm, damp=args.gptq_damp, block=args.gptq_block,
                                act_order=args.act_order, sequential=args.sequential, seed=args.rotate_seed,
-                               alpha=args.smoothquant_alpha, n_grid=args.awq_grid)  # fmt: skip
+                               alpha=args.smoothquant_alpha, n_grid=args.awq_grid,
+                               awq_duo=args.awq_duo)  # fmt: skip
 
 
 __all__ = ["add_algorithm_arguments", "algorithm_spec"]

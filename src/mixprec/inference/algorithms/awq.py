@@ -4,18 +4,24 @@ block (folds.py), per-input-channel scales searched on the parent module's outpu
 Block by block (the calibration walk, calibration/layerwise.py, with a BlockPass), for each mapping:
 
     x_mean  = mean |x| per input channel of the following Linears' input, over the calibration tokens
-    for alpha in 0, 1/n, ..., (n-1)/n:
-        s = x_mean^alpha (at least 1e-4), normalised: s / sqrt(max(s) min(s))
+    w_mean  = mean over the following Linears' rows of |W| / (its quantization block's max |W| + 1e-6),
+              per input channel (duo scaling only)
+    candidates: s = 1, then for alpha in 0, 1/n, ..., (n-1)/n:
+        s = x_mean^alpha / (w_mean^(1 - alpha) + 1e-4)   (duo scaling, the default: AutoAWQ's and
+                                                          llm-compressor's)
+        s = x_mean^alpha                                  (duo=False: activations only, the paper's)
+        s at least 1e-4, normalised: s / sqrt(max(s) min(s))
         each following Linear's weight -> RTN(W * s) / s   (its scheme's own round to nearest: the one
                                                            quantize entry with the scheme's format and
                                                            granularity, as schemes.quantize_weight without
                                                            its statistics; fused q/k/v and gate/up share
                                                            their scales as the writer shares them)
         error = MSE of the parent's output on the block's cached inputs against its unquantized output
-    keep the alpha of least error
+    keep the candidate of least error
 
-alpha = 0 is s = 1, round to nearest: a mapping whose best alpha is 0 is left alone (its weights keep
-their bits), so scales are kept only where they lower the measured error.
+s = 1 is round to nearest: a mapping whose best candidate is s = 1 is left alone (its weights keep their
+bits), so scales are kept only where they lower the measured error. Duo scaling's alpha = 0 divides by
+the weights' magnitude alone; without duo, alpha = 0 is s = 1 itself and is not evaluated twice.
 
 Each mapping is folded (folds.py) as soon as it is searched, the Linear -> Linear mappings of a block
 (v -> o, up -> down) before the norm ones: a Linear -> Linear fold rescales the rows of v_proj / up_proj,
@@ -25,11 +31,12 @@ an earlier choice: measured on MXFP4, whose power-of-two block scales it moves).
 ordinary one: the checkpoint written from it is served unchanged. The next block is calibrated on this
 block's outputs, which the folds leave unchanged up to rounding.
 
-The record gives per mapping the chosen alpha and the parent's relative output error (MSE over the mean
-square of the unquantized output) at alpha 0 (`error_before`: round to nearest of the weights as they
-stand when the mapping is searched, i.e. after the block's Linear -> Linear folds) and at the chosen
-alpha (`error_after`). Only weights are rounded in the search, also for the schemes that quantize
-activations (as AutoAWQ and llm-compressor search).
+The record gives per mapping the chosen alpha and whether its scales are duo ones (`alpha` None: s = 1
+won), and the parent's relative output error (MSE over the mean square of the unquantized output) at
+s = 1 (`error_before`: round to nearest of the weights as they stand when the mapping is searched, i.e.
+after the block's Linear -> Linear folds) and at the chosen scales (`error_after`). Only weights are
+rounded in the search, also for the schemes that quantize activations (as AutoAWQ and llm-compressor
+search).
 """
 
 from __future__ import annotations
@@ -54,15 +61,17 @@ from mixprec.inference.algorithms.gptq_pass import shared_scales
 from mixprec.inference.calibration.layerwise import Captured, calibrate_blockwise
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.quantization import quantize
+from mixprec.scaling import block_amax, expand_scale
 
 NOT_QUANTIZED = "none of its Linears is quantized"
 
 
 def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mapping[str, InferenceScheme | str],
-               n_grid: int = 20) -> dict[str, Any]:  # fmt: skip
+               n_grid: int = 20, duo: bool = True) -> dict[str, Any]:  # fmt: skip
     """Search and fold AWQ scales into `model` in place, for the Linears of `schemes` ({Linear name:
-    scheme}) quantized by round to nearest; returns the record (per mapping: alpha, error before and
-    after, whether it was folded; the mappings left out with the reason). MixprecError, before any
+    scheme}) quantized by round to nearest, with duo scaling (activation and weight magnitudes) or
+    without (activations only); returns the record (per mapping: alpha, duo, error before and after,
+    whether it was folded; the mappings left out with the reason). MixprecError, before any
     change: a model without Llama-like RMSNorm blocks, a scheme for a module that is not a Linear of
     the model, no mapping with a quantized Linear, n_grid < 1, bad batches."""
     if not isinstance(n_grid, int) or n_grid < 1:
@@ -77,10 +86,10 @@ def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mappi
         )
     dtype = next(model.parameters()).dtype
     started = time.perf_counter()
-    awq = AwqPass(model, found, resolved, n_grid, dtype)
+    awq = AwqPass(model, found, resolved, n_grid, dtype, duo)
     calibrate_blockwise(model, batches, [], block_pass=awq)
     return {
-        "algorithm": "awq", "n_grid": n_grid, "mappings": awq.mappings, "skipped": awq.skipped,
+        "algorithm": "awq", "n_grid": n_grid, "duo": duo, "mappings": awq.mappings, "skipped": awq.skipped,
         "folded": sum(r["folded"] for r in awq.mappings.values()), "tokens": sum(b.numel() for b in batches),
         "seconds": round(time.perf_counter() - started, 3),
     }  # fmt: skip
@@ -98,10 +107,28 @@ def _check_schemes(
     return {n: InferenceScheme.from_name(s) for n, s in schemes.items()}
 
 
-def awq_scales(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
-    """x_mean^alpha (at least 1e-4) divided by sqrt(max * min) (fp32): all ones for alpha = 0."""
-    s = x_mean.float().pow(alpha).clamp_min(1e-4)
+def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """x_mean^alpha, over (w_mean^(1 - alpha) + 1e-4) with duo scaling (w_mean given), at least 1e-4,
+    divided by sqrt(max * min) (fp32): all ones for alpha = 0 without w_mean."""
+    s = x_mean.float().pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.float().pow(1.0 - alpha) + 1e-4)
+    s = s.clamp_min(1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_means(weights: Mapping[str, torch.Tensor], schemes: Mapping[str, InferenceScheme]) -> torch.Tensor:
+    """Per input channel, the mean over all rows of `weights` of |W| / (max |W| of its quantization
+    block under its scheme + 1e-6) (fp32): how large a channel's weights are where they are rounded."""
+    total, rows = None, 0
+    for n, w in weights.items():
+        g = schemes[n].weight_granularity
+        w2 = w.detach().float()
+        amax = expand_scale(block_amax(w2, g), g, *w2.shape)
+        column_sum = (w2.abs() / (amax + 1e-6)).sum(dim=0, dtype=torch.float64)
+        total = column_sum if total is None else total + column_sum
+        rows += w2.shape[0]
+    return (total / rows).float()
 
 
 class AwqPass:
@@ -110,8 +137,9 @@ class AwqPass:
     searches and folds. `mappings` holds the record of each mapping, `skipped` those left out."""
 
     def __init__(self, model: nn.Module, found: BlockMappings, schemes: Mapping[str, InferenceScheme],
-                 n_grid: int, dtype: torch.dtype) -> None:  # fmt: skip
+                 n_grid: int, dtype: torch.dtype, duo: bool = True) -> None:  # fmt: skip
         self.model, self.found, self.schemes, self.n_grid, self.dtype = model, found, schemes, n_grid, dtype
+        self.duo = duo
         self.mappings: dict[str, dict[str, Any]] = {}
         self.skipped: dict[str, str] = dict(found.skipped)
         self._inputs: dict[str, Captured] = {}  # parent -> its (args, kwargs) per batch
@@ -134,12 +162,12 @@ class AwqPass:
         # Linear -> Linear first: their folds rescale rows that the norm mappings then round
         for m in sorted(self._active(own), key=lambda m: m.kind != LINEAR):
             x_mean = self._abs_sum[m.linears[0]] / self._rows[m.linears[0]]
-            alpha, s, before, after = self._search(m, x_mean, modules)
+            alpha, duo, s, before, after = self._search(m, x_mean, modules)
             self.mappings[m.name] = {
-                "linears": [n for n in m.linears if n in self.schemes], "alpha": alpha,
-                "error_before": before, "error_after": after, "folded": alpha > 0,
+                "linears": [n for n in m.linears if n in self.schemes], "alpha": alpha, "duo": duo,
+                "error_before": before, "error_after": after, "folded": alpha is not None,
             }  # fmt: skip
-            if alpha > 0:
+            if alpha is not None:
                 fold_scales_(self.model, m, s)
         self._inputs.clear()
         self._abs_sum.clear()
@@ -170,19 +198,18 @@ class AwqPass:
 
         return hook
 
-    def _search(self, m: FoldMapping, x_mean: torch.Tensor, modules: dict[str, nn.Module]) -> tuple[float, torch.Tensor, float, float]:  # fmt: skip
-        """(best alpha, its scales, relative error at alpha 0, at the best alpha)."""
+    def _search(self, m: FoldMapping, x_mean: torch.Tensor, modules: dict[str, nn.Module]) -> tuple[float | None, bool, torch.Tensor, float, float]:  # fmt: skip
+        """(best alpha, None for s = 1; whether its scales are duo ones; the scales; relative error at
+        s = 1, at the best scales)."""
         parent = modules[m.parent]
         inputs = self._inputs[m.parent]
         reference = [_output(parent, a, k) for a, k in inputs]
         power = sum(float(r.float().square().sum()) for r in reference)
         quantized = [n for n in m.linears if n in self.schemes]
         originals = {n: modules[n].weight.data for n in quantized}
-        results: list[tuple[float, torch.Tensor, float]] = []
+        results: list[tuple[float | None, torch.Tensor, float]] = []
         try:
-            for i in range(self.n_grid):
-                alpha = i / self.n_grid
-                s = awq_scales(x_mean, alpha)
+            for alpha, s in self._candidates(x_mean, originals):
                 for n, w in self._rounded(originals, s).items():
                     modules[n].weight.data = w
                 sq = sum(float((_output(parent, a, k).float() - r.float()).square().sum())
@@ -191,10 +218,15 @@ class AwqPass:
         finally:
             for n, w in originals.items():
                 modules[n].weight.data = w
-        best = min(
-            results, key=lambda r: r[2]
-        )  # the first (smallest alpha) of equal errors: alpha 0 wins ties
-        return best[0], best[1], results[0][2], best[2]
+        best = min(results, key=lambda r: r[2])  # the first of equal errors: s = 1 wins ties
+        return best[0], self.duo and best[0] is not None, best[1], results[0][2], best[2]
+
+    def _candidates(self, x_mean: torch.Tensor, originals: dict[str, torch.Tensor]):
+        """(alpha, scales) in search order: (None, ones) first, then the grid of alpha in [0, 1)."""
+        yield None, torch.ones_like(x_mean, dtype=torch.float32)
+        w_mean = weight_means(originals, self.schemes) if self.duo else None
+        for i in range(0 if self.duo else 1, self.n_grid):  # without duo, alpha 0 is s = 1 again
+            yield i / self.n_grid, awq_scales(x_mean, i / self.n_grid, w_mean)
 
     def _rounded(self, originals: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torch.Tensor]:
         """{Linear: RTN(W * s) / s in the weight's dtype}, fused shards sharing their scales."""
@@ -217,4 +249,4 @@ def _output(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-__all__ = ["NOT_QUANTIZED", "AwqPass", "awq_model_", "awq_scales"]
+__all__ = ["NOT_QUANTIZED", "AwqPass", "awq_model_", "awq_scales", "weight_means"]

@@ -58,12 +58,14 @@ class GptqParams:
 class FoldParams:
     """seed: of the rotation's random signs / orthogonal factor (R1 from seed, R2 from seed + 1); r2:
     rotate each head's value/output too; alpha: SmoothQuant's migration strength; n_grid: AWQ's grid
-    points for its exponent in [0, 1)."""
+    points for its exponent in [0, 1); awq_duo: AWQ's scales from activation and weight magnitudes
+    (False: activations only)."""
 
     seed: int = 0
     r2: bool = True
     alpha: float = 0.5
     n_grid: int = 20
+    awq_duo: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -149,7 +151,7 @@ class AlgorithmSpec:
         if self.uses_gptq:
             out["gptq"] = asdict(self.gptq)
         fold = asdict(self.folds)
-        params = {ROTATE: ("seed", "r2"), SMOOTHQUANT: ("alpha",), AWQ: ("n_grid",)}
+        params = {ROTATE: ("seed", "r2"), SMOOTHQUANT: ("alpha",), AWQ: ("n_grid", "awq_duo")}
         for name in self.names:
             if name in params:
                 out[name.replace("-", "_")] = {k: fold[k] for k in params[name]}

@@ -13,7 +13,9 @@ from typing import Any
 from mixprec.errors import MixprecError
 
 ALGORITHM_FILE = "mixprec_algorithm.json"
-SCHEMA_VERSION = 2  # 2: an MoE expert weight rounded to nearest for too few tokens (fallback: "rtn")
+# 2: an MoE expert weight rounded to nearest for too few tokens (fallback: "rtn"); 3: AWQ's duo scaling
+# (`awq.awq_duo`, per mapping `duo`) and a mapping AWQ left alone has `alpha` null (2: alpha 0)
+SCHEMA_VERSION = 3
 
 
 def algorithm_document(record: dict[str, Any], producer: str) -> dict[str, Any]:
