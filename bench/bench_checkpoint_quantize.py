@@ -35,10 +35,11 @@ import torch
 from safetensors.torch import save_file
 
 
-def write_synthetic_llama(directory: Path, size_gb: float, shard_gb: float) -> dict:
+def write_synthetic_llama(directory: Path, size_gb: float, shard_gb: float, vocab: int = 32000) -> dict:
+    """vocab: the embedding rows (a real tokenizer copied beside the checkpoint needs its own size)."""
     import transformers
 
-    hidden, inter, vocab = 2048, 5632, 32000
+    hidden, inter = 2048, 5632
     per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
     layers = max(1, round((size_gb * 1e9 - 2 * 2 * vocab * hidden) / per_layer))
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
