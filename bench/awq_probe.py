@@ -15,8 +15,8 @@
 Prints the AWQ record's summary, the timings and the table; --json writes every figure.
 
 Measured 2026-12-05 on the shared 2-core EPYC (load average 6-7; nice 5), SmolLM2-135M "Q4_1-derived"
-(/tmp/realmodels/smol-hf, bench/make_smollm2.py), scales from the activations only (what --no-duo runs
-now; duo scaling was added after), defaults (16 x 256 calibration tokens, n_grid 20,
+(/tmp/realmodels/smol-hf, bench/make_smollm2.py), scales from the activations only (what --scales
+activation runs now; duo scales were added after), defaults (16 x 256 calibration tokens, n_grid 20,
 32 x 128 scored tokens of stdlib.txt, reference perplexity 17.084); 90 mappings searched and folded
 (v -> o skipped in all 30 blocks: grouped-query attention, 192 vs 576 channels):
 
@@ -61,7 +61,7 @@ def run_awq(a: argparse.Namespace, folded_dir: Path) -> dict:
     }
     batches = token_batches(load_texts(a.calib), load_tokenizer(a.model), a.calib_samples, a.calib_seq_len)
     started = time.perf_counter()
-    record = awq_model_(model, batches, schemes, n_grid=a.n_grid, duo=a.duo)
+    record = awq_model_(model, batches, schemes, n_grid=a.n_grid, scales=a.scales)
     seconds = time.perf_counter() - started
     model.save_pretrained(folded_dir)
     for f in TOKENIZER_FILES:
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--n-grid", type=int, default=20)
-    p.add_argument("--duo", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scales", choices=["duo", "activation", "both"], default="duo")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--work", required=True)

@@ -197,22 +197,25 @@ def _parent_io(model, parent, batches):
     return seen
 
 
-@pytest.mark.parametrize("duo", [True, False])
+@pytest.mark.parametrize("scales", ["duo", "activation", "both"])
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
-def test_awq_lowers_the_parents_output_error_against_rtn(scheme, duo):
+def test_awq_lowers_the_parents_output_error_against_rtn(scheme, scales):
     original = _outlier_llama(num_key_value_heads=4)
     batches = _batches()
     model = copy.deepcopy(original)
     sch = SCHEMES[scheme]
-    record = awq_model_(model, batches, _quantized_linears(model, sch), duo=duo)
-    assert record["folded"] >= 1 and record["duo"] is duo
+    record = awq_model_(model, batches, _quantized_linears(model, sch), scales=scales)
+    assert record["folded"] >= 1 and record["scales"] == scales
     # the record's final error of each mapping is what the folded model gives, measured independently
     # (each mapping was searched on the weights the model ends with)
     awq = _parent_errors(original, model, sch, batches)
     for m in block_mappings(model).mappings:
         r = record["mappings"][m.name]
         assert r["error_after"] <= r["error_before"], m.name
-        assert r["folded"] == (r["alpha"] is not None) and r["duo"] == (duo and r["folded"]), m.name
+        assert r["folded"] == (r["alpha"] is not None) == (r["scales"] is not None), m.name
+        assert (
+            r["scales"] in (None, scales) if scales != "both" else r["scales"] in (None, "duo", "activation")
+        )
         assert awq[m.parent] == pytest.approx(r["error_after"], rel=1e-3), m.name
     # against round to nearest without scaling: lower in all, on the calibration tokens and on others
     # (a Linear -> Linear fold may cost its previous Linear a little: not each parent is lower)
@@ -232,7 +235,7 @@ def test_awq_whose_only_candidate_is_one_leaves_every_weight_bit_identical():
     model = _outlier_llama().to(torch.bfloat16)
     before = _state(model)
     schemes = _quantized_linears(model, SCHEMES["nvfp4a16"])
-    record = awq_model_(model, _batches(n=1), schemes, n_grid=1, duo=False)  # alpha 0 without duo: s = 1
+    record = awq_model_(model, _batches(n=1), schemes, n_grid=1, scales="activation")  # its alpha 0: s = 1
     assert record["folded"] == 0 and all(
         r["alpha"] is None and not r["folded"] for r in record["mappings"].values()
     )
@@ -390,6 +393,7 @@ def _gemma():
         ("gpt2", "Llama-like decoder blocks"),
         ("gemma", "does not scale with its weight"),
         ("n_grid", "n_grid"),
+        ("scales", "AWQ scales must be one of duo, activation, both"),
         ("not a linear", "not a Linear"),
         ("no batches", "non-empty"),
         ("float batch", "token ids"),
@@ -407,6 +411,7 @@ def test_bad_input_is_refused_before_any_change(case, match):
     batches = _batches(n=1)
     runs = {
         "n_grid": lambda: awq_model_(model, batches, linears, n_grid=0),
+        "scales": lambda: awq_model_(model, batches, linears, scales="weights"),
         "not a linear": lambda: awq_model_(model, batches, {"model.layers.0.input_layernorm": "nvfp4a16"}),
         "no batches": lambda: awq_model_(model, [], linears),
         "float batch": lambda: smoothquant_model_(model, [torch.zeros(2, 8)]),

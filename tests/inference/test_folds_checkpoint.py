@@ -128,8 +128,8 @@ def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, t
         assert torch.equal(p.float(), kept[name].float()), name
 
 
-@pytest.mark.parametrize(("flags", "duo"), [([], True), (["--no-awq-duo"], False)])
-def test_awq_parameters_from_the_command_line_are_recorded(llama_dir, calib_file, tmp_path, flags, duo):
+@pytest.mark.parametrize(("flags", "scales"), [([], "duo"), (["--awq-scales", "activation"], "activation")])
+def test_awq_parameters_from_the_command_line_are_recorded(llama_dir, calib_file, tmp_path, flags, scales):
     from mixprec.cli import main
 
     out = tmp_path / "q"
@@ -138,9 +138,9 @@ def test_awq_parameters_from_the_command_line_are_recorded(llama_dir, calib_file
             "--calib-seq-len", "32", "--quiet", *flags]  # fmt: skip
     assert main(argv) == 0
     doc = read_algorithm_file(out)
-    assert doc["schema_version"] == 3 and doc["awq"] == {"n_grid": 4, "awq_duo": duo}
+    assert doc["schema_version"] == 3 and doc["awq"] == {"n_grid": 4, "awq_scales": scales}
     record = doc["folds"]["awq"]
-    assert record["duo"] is duo and record["mappings"]
+    assert record["scales"] == scales and record["mappings"]
     for r in record["mappings"].values():
-        assert r["duo"] == (duo and r["alpha"] is not None)
+        assert r["scales"] == (scales if r["alpha"] is not None else None)
         assert r["alpha"] is None or r["alpha"] in (0.0, 0.25, 0.5, 0.75)

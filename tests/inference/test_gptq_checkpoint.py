@@ -153,6 +153,13 @@ def test_bad_gptq_parameters(kw, message):
         GptqParams(**kw)
 
 
+@pytest.mark.parametrize(("kw", "message"), [({"n_grid": 0}, "AWQ grid"), ({"awq_scales": "weight"}, "AWQ scales"),
+                                             ({"alpha": 2.0}, "SmoothQuant alpha")])  # fmt: skip
+def test_bad_fold_parameters(kw, message):
+    with pytest.raises(MixprecError, match=message):
+        AlgorithmSpec.parse("awq", **kw)
+
+
 def test_input_groups_put_fused_shards_together():
     names = [f"m.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [
         f"m.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from mixprec.inference.algorithms.spec import ALGORITHMS, RTN, AlgorithmSpec, FoldParams, GptqParams
+from mixprec.inference.algorithms.spec import (
+    ALGORITHMS,
+    AWQ_SCALES,
+    RTN,
+    AlgorithmSpec,
+    FoldParams,
+    GptqParams,
+)
 
 
 def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +51,9 @@ def add_fold_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"smoothquant: migration strength in [0, 1] (default {folds.alpha})")  # fmt: skip
     group.add_argument("--awq-grid", type=int, default=folds.n_grid, metavar="N",
                        help=f"awq: grid points of the scale exponent in [0, 1) (default {folds.n_grid})")  # fmt: skip
-    group.add_argument(
-        "--awq-duo", action=argparse.BooleanOptionalAction, default=folds.awq_duo,
-        help="awq: scales from activation and weight magnitudes (default on); --no-awq-duo: from the "
-        "activations only",
-    )  # fmt: skip
+    group.add_argument("--awq-scales", choices=AWQ_SCALES, default=folds.awq_scales,
+                       help="awq: the scales searched: duo (activation and weight magnitudes), activation "
+                       f"(activation magnitudes only) or both (default {folds.awq_scales})")  # fmt: skip
 
 
 def algorithm_spec(args: argparse.Namespace) -> AlgorithmSpec:
@@ -56,7 +61,7 @@ def algorithm_spec(args: argparse.Namespace) -> AlgorithmSpec:
     return AlgorithmSpec.parse(args.algorithm, damp=args.gptq_damp, block=args.gptq_block,
                                act_order=args.act_order, sequential=args.sequential, seed=args.rotate_seed,
                                alpha=args.smoothquant_alpha, n_grid=args.awq_grid,
-                               awq_duo=args.awq_duo)  # fmt: skip
+                               awq_scales=args.awq_scales)  # fmt: skip
 
 
 __all__ = ["add_algorithm_arguments", "algorithm_spec"]

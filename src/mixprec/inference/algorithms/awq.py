@@ -5,11 +5,11 @@ Block by block (the calibration walk, calibration/layerwise.py, with a BlockPass
 
     x_mean  = mean |x| per input channel of the following Linears' input, over the calibration tokens
     w_mean  = mean over the following Linears' rows of |W| / (its quantization block's max |W| + 1e-6),
-              per input channel (duo scaling only)
-    candidates: s = 1, then for alpha in 0, 1/n, ..., (n-1)/n:
-        s = x_mean^alpha / (w_mean^(1 - alpha) + 1e-4)   (duo scaling, the default: AutoAWQ's and
-                                                          llm-compressor's)
-        s = x_mean^alpha                                  (duo=False: activations only, the paper's)
+              per input channel (duo scales only)
+    candidates: s = 1, then for alpha in 0, 1/n, ..., (n-1)/n, by `scales`:
+        "duo" (the default: AutoAWQ's and llm-compressor's)   s = x_mean^alpha / (w_mean^(1 - alpha) + 1e-4)
+        "activation" (the paper's)                            s = x_mean^alpha
+        "both"                                                each of the two
         s at least 1e-4, normalised: s / sqrt(max(s) min(s))
         each following Linear's weight -> RTN(W * s) / s   (its scheme's own round to nearest: the one
                                                            quantize entry with the scheme's format and
@@ -20,8 +20,9 @@ Block by block (the calibration walk, calibration/layerwise.py, with a BlockPass
     keep the candidate of least error
 
 s = 1 is round to nearest: a mapping whose best candidate is s = 1 is left alone (its weights keep their
-bits), so scales are kept only where they lower the measured error. Duo scaling's alpha = 0 divides by
-the weights' magnitude alone; without duo, alpha = 0 is s = 1 itself and is not evaluated twice.
+bits), so scales are kept only where they lower the measured error. Duo's alpha = 0 divides by the
+weights' magnitude alone; the activation scales' alpha = 0 is s = 1 itself and is not evaluated twice.
+Neither family won on both models measured (docs/algorithms.md), hence "both" as a choice.
 
 Each mapping is folded (folds.py) as soon as it is searched, the Linear -> Linear mappings of a block
 (v -> o, up -> down) before the norm ones: a Linear -> Linear fold rescales the rows of v_proj / up_proj,
@@ -31,8 +32,8 @@ an earlier choice: measured on MXFP4, whose power-of-two block scales it moves).
 ordinary one: the checkpoint written from it is served unchanged. The next block is calibrated on this
 block's outputs, which the folds leave unchanged up to rounding.
 
-The record gives per mapping the chosen alpha and whether its scales are duo ones (`alpha` None: s = 1
-won), and the parent's relative output error (MSE over the mean square of the unquantized output) at
+The record gives per mapping the chosen alpha and family (`scales`: "duo" or "activation"; both None
+when s = 1 won), and the parent's relative output error (MSE over the mean square of the unquantized output) at
 s = 1 (`error_before`: round to nearest of the weights as they stand when the mapping is searched, i.e.
 after the block's Linear -> Linear folds) and at the chosen scales (`error_after`). Only weights are
 rounded in the search, also for the schemes that quantize activations (as AutoAWQ and llm-compressor
@@ -58,24 +59,28 @@ from mixprec.inference.algorithms.folds import (
     fold_scales_,
 )
 from mixprec.inference.algorithms.gptq_pass import shared_scales
+from mixprec.inference.algorithms.spec import AWQ_SCALES
 from mixprec.inference.calibration.layerwise import Captured, calibrate_blockwise
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.quantization import quantize
 from mixprec.scaling import block_amax, expand_scale
 
 NOT_QUANTIZED = "none of its Linears is quantized"
+DUO, ACTIVATION, BOTH = AWQ_SCALES
 
 
 def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mapping[str, InferenceScheme | str],
-               n_grid: int = 20, duo: bool = True) -> dict[str, Any]:  # fmt: skip
+               n_grid: int = 20, scales: str = DUO) -> dict[str, Any]:  # fmt: skip
     """Search and fold AWQ scales into `model` in place, for the Linears of `schemes` ({Linear name:
-    scheme}) quantized by round to nearest, with duo scaling (activation and weight magnitudes) or
-    without (activations only); returns the record (per mapping: alpha, duo, error before and after,
-    whether it was folded; the mappings left out with the reason). MixprecError, before any
+    scheme}) quantized by round to nearest, with the family of scales `scales` (AWQ_SCALES: "duo" from
+    activation and weight magnitudes, "activation", or "both"); returns the record (per mapping: alpha,
+    scales, error before and after, whether it was folded; the mappings left out with the reason). MixprecError, before any
     change: a model without Llama-like RMSNorm blocks, a scheme for a module that is not a Linear of
-    the model, no mapping with a quantized Linear, n_grid < 1, bad batches."""
+    the model, no mapping with a quantized Linear, n_grid < 1, unknown scales, bad batches."""
     if not isinstance(n_grid, int) or n_grid < 1:
         raise MixprecError(f"AWQ n_grid must be a positive number of grid points, got {n_grid!r}")
+    if scales not in AWQ_SCALES:
+        raise MixprecError(f"AWQ scales must be one of {', '.join(AWQ_SCALES)}, got {scales!r}")
     check_token_batches(batches)
     found = block_mappings(model)
     resolved = _check_schemes(model, schemes)
@@ -86,10 +91,10 @@ def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mappi
         )
     dtype = next(model.parameters()).dtype
     started = time.perf_counter()
-    awq = AwqPass(model, found, resolved, n_grid, dtype, duo)
+    awq = AwqPass(model, found, resolved, n_grid, dtype, scales)
     calibrate_blockwise(model, batches, [], block_pass=awq)
     return {
-        "algorithm": "awq", "n_grid": n_grid, "duo": duo, "mappings": awq.mappings, "skipped": awq.skipped,
+        "algorithm": "awq", "n_grid": n_grid, "scales": scales, "mappings": awq.mappings, "skipped": awq.skipped,
         "folded": sum(r["folded"] for r in awq.mappings.values()), "tokens": sum(b.numel() for b in batches),
         "seconds": round(time.perf_counter() - started, 3),
     }  # fmt: skip
@@ -137,9 +142,9 @@ class AwqPass:
     searches and folds. `mappings` holds the record of each mapping, `skipped` those left out."""
 
     def __init__(self, model: nn.Module, found: BlockMappings, schemes: Mapping[str, InferenceScheme],
-                 n_grid: int, dtype: torch.dtype, duo: bool = True) -> None:  # fmt: skip
+                 n_grid: int, dtype: torch.dtype, scales: str = DUO) -> None:  # fmt: skip
         self.model, self.found, self.schemes, self.n_grid, self.dtype = model, found, schemes, n_grid, dtype
-        self.duo = duo
+        self.scales = scales
         self.mappings: dict[str, dict[str, Any]] = {}
         self.skipped: dict[str, str] = dict(found.skipped)
         self._inputs: dict[str, Captured] = {}  # parent -> its (args, kwargs) per batch
@@ -162,9 +167,9 @@ class AwqPass:
         # Linear -> Linear first: their folds rescale rows that the norm mappings then round
         for m in sorted(self._active(own), key=lambda m: m.kind != LINEAR):
             x_mean = self._abs_sum[m.linears[0]] / self._rows[m.linears[0]]
-            alpha, duo, s, before, after = self._search(m, x_mean, modules)
+            alpha, family, s, before, after = self._search(m, x_mean, modules)
             self.mappings[m.name] = {
-                "linears": [n for n in m.linears if n in self.schemes], "alpha": alpha, "duo": duo,
+                "linears": [n for n in m.linears if n in self.schemes], "alpha": alpha, "scales": family,
                 "error_before": before, "error_after": after, "folded": alpha is not None,
             }  # fmt: skip
             if alpha is not None:
@@ -198,35 +203,40 @@ class AwqPass:
 
         return hook
 
-    def _search(self, m: FoldMapping, x_mean: torch.Tensor, modules: dict[str, nn.Module]) -> tuple[float | None, bool, torch.Tensor, float, float]:  # fmt: skip
-        """(best alpha, None for s = 1; whether its scales are duo ones; the scales; relative error at
-        s = 1, at the best scales)."""
+    def _search(self, m: FoldMapping, x_mean: torch.Tensor, modules: dict[str, nn.Module]) -> tuple[float | None, str | None, torch.Tensor, float, float]:  # fmt: skip
+        """(best alpha and its family, both None for s = 1; the scales; relative error at s = 1, at the
+        best scales)."""
         parent = modules[m.parent]
         inputs = self._inputs[m.parent]
         reference = [_output(parent, a, k) for a, k in inputs]
         power = sum(float(r.float().square().sum()) for r in reference)
         quantized = [n for n in m.linears if n in self.schemes]
         originals = {n: modules[n].weight.data for n in quantized}
-        results: list[tuple[float | None, torch.Tensor, float]] = []
+        results: list[tuple[float | None, str | None, torch.Tensor, float]] = []
         try:
-            for alpha, s in self._candidates(x_mean, originals):
+            for alpha, family, s in self._candidates(x_mean, originals):
                 for n, w in self._rounded(originals, s).items():
                     modules[n].weight.data = w
                 sq = sum(float((_output(parent, a, k).float() - r.float()).square().sum())
                          for (a, k), r in zip(inputs, reference, strict=True))  # fmt: skip
-                results.append((alpha, s, sq / power if power > 0 else sq))
+                results.append((alpha, family, s, sq / power if power > 0 else sq))
         finally:
             for n, w in originals.items():
                 modules[n].weight.data = w
-        best = min(results, key=lambda r: r[2])  # the first of equal errors: s = 1 wins ties
-        return best[0], self.duo and best[0] is not None, best[1], results[0][2], best[2]
+        best = min(results, key=lambda r: r[3])  # the first of equal errors: s = 1 wins ties
+        return best[0], best[1], best[2], results[0][3], best[3]
 
     def _candidates(self, x_mean: torch.Tensor, originals: dict[str, torch.Tensor]):
-        """(alpha, scales) in search order: (None, ones) first, then the grid of alpha in [0, 1)."""
-        yield None, torch.ones_like(x_mean, dtype=torch.float32)
-        w_mean = weight_means(originals, self.schemes) if self.duo else None
-        for i in range(0 if self.duo else 1, self.n_grid):  # without duo, alpha 0 is s = 1 again
-            yield i / self.n_grid, awq_scales(x_mean, i / self.n_grid, w_mean)
+        """(alpha, family, scales) in search order: (None, None, ones) first, then each family's grid of
+        alpha in [0, 1) (the activation scales from 1/n: their alpha 0 is s = 1 again)."""
+        yield None, None, torch.ones_like(x_mean, dtype=torch.float32)
+        if self.scales in (ACTIVATION, BOTH):
+            for i in range(1, self.n_grid):
+                yield i / self.n_grid, ACTIVATION, awq_scales(x_mean, i / self.n_grid)
+        if self.scales in (DUO, BOTH):
+            w_mean = weight_means(originals, self.schemes)
+            for i in range(self.n_grid):
+                yield i / self.n_grid, DUO, awq_scales(x_mean, i / self.n_grid, w_mean)
 
     def _rounded(self, originals: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torch.Tensor]:
         """{Linear: RTN(W * s) / s in the weight's dtype}, fused shards sharing their scales."""

@@ -50,7 +50,7 @@ def fold_model_(model: nn.Module, spec: AlgorithmSpec, batches: Sequence[torch.T
         elif name == SMOOTHQUANT:
             rec = smoothquant_model_(model, batches, alpha=params.alpha)
         else:  # AWQ: its search rounds with each target's own scheme
-            rec = awq_model_(model, batches, dict(schemes), n_grid=params.n_grid, duo=params.awq_duo)
+            rec = awq_model_(model, batches, dict(schemes), n_grid=params.n_grid, scales=params.awq_scales)
         if name != ROTATE:  # the data folds name their tokens, as GPTQ's record does
             rec["data_sha256"] = tokens_sha256(batches)
         record[name] = rec

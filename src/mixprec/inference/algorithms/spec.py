@@ -24,6 +24,7 @@ SCALE_SEARCH = "scale-search"
 ROTATE = "rotate"
 SMOOTHQUANT = "smoothquant"
 AWQ = "awq"
+AWQ_SCALES = ("duo", "activation", "both")  # the families of scales AWQ searches (algorithms/awq.py)
 FOLDS = (ROTATE, SMOOTHQUANT, AWQ)  # model-wide transforms written into the weights before calibration
 # Each name with its place in the run order (lower runs first): the folds, then the scale search
 # that chooses the block scales GPTQ then rounds with.
@@ -58,20 +59,22 @@ class GptqParams:
 class FoldParams:
     """seed: of the rotation's random signs / orthogonal factor (R1 from seed, R2 from seed + 1); r2:
     rotate each head's value/output too; alpha: SmoothQuant's migration strength; n_grid: AWQ's grid
-    points for its exponent in [0, 1); awq_duo: AWQ's scales from activation and weight magnitudes
-    (False: activations only)."""
+    points for its exponent in [0, 1); awq_scales: the family of scales AWQ searches ("duo": activation
+    and weight magnitudes, "activation", or "both")."""
 
     seed: int = 0
     r2: bool = True
     alpha: float = 0.5
     n_grid: int = 20
-    awq_duo: bool = True
+    awq_scales: str = "duo"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise MixprecError(f"SmoothQuant alpha must be in [0, 1], got {self.alpha}")
         if self.n_grid < 1:
             raise MixprecError(f"AWQ grid must have at least 1 point, got {self.n_grid}")
+        if self.awq_scales not in AWQ_SCALES:
+            raise MixprecError(f"AWQ scales must be one of {', '.join(AWQ_SCALES)}, got {self.awq_scales!r}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class AlgorithmSpec:
         if self.uses_gptq:
             out["gptq"] = asdict(self.gptq)
         fold = asdict(self.folds)
-        params = {ROTATE: ("seed", "r2"), SMOOTHQUANT: ("alpha",), AWQ: ("n_grid", "awq_duo")}
+        params = {ROTATE: ("seed", "r2"), SMOOTHQUANT: ("alpha",), AWQ: ("n_grid", "awq_scales")}
         for name in self.names:
             if name in params:
                 out[name.replace("-", "_")] = {k: fold[k] for k in params[name]}
@@ -160,6 +163,7 @@ class AlgorithmSpec:
 
 __all__ = [
     "ALGORITHMS",
+    "AWQ_SCALES",
     "DATA_FREE",
     "GPTQ",
     "RTN",

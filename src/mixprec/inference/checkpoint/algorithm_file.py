@@ -13,8 +13,8 @@ from typing import Any
 from mixprec.errors import MixprecError
 
 ALGORITHM_FILE = "mixprec_algorithm.json"
-# 2: an MoE expert weight rounded to nearest for too few tokens (fallback: "rtn"); 3: AWQ's duo scaling
-# (`awq.awq_duo`, per mapping `duo`) and a mapping AWQ left alone has `alpha` null (2: alpha 0)
+# 2: an MoE expert weight rounded to nearest for too few tokens (fallback: "rtn"); 3: AWQ's families of
+# scales (`awq.awq_scales`, per mapping `scales`) and a mapping AWQ left alone has `alpha` null (2: alpha 0)
 SCHEMA_VERSION = 3
 
 
