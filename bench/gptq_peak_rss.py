@@ -7,13 +7,15 @@ bench_checkpoint_quantize.py (issue 28: "peak RSS compared on the 2.1 GB synthet
 1. Writes the LlamaForCausalLM-shaped bf16 checkpoint (hidden 2048, intermediate 5632, weights of std 0.02,
    1 GB shards) with the embedding rows of --tokenizer's vocabulary, whose tokenizer files are copied beside
    it, into a temporary directory (deleted afterwards).
-2. `mixprec quantize --scheme S --algorithm gptq` on --samples x --seq-len tokens of --calib: the streaming
-   writer, sequential GPTQ block by block.
+2. `mixprec quantize --scheme S --algorithm gptq` on --samples x --seq-len tokens of --calib, sequential
+   GPTQ block by block, in each --mixprec-modes: "default" (mixprec's own choice: the whole model is loaded
+   for calibration when it takes at most half the available memory, as here) and "layer-by-layer"
+   (`--layer-by-layer`: one block's weights in memory at a time, read from the shards).
 3. bench/anchor_llmcompressor.py --recipe gptq in llm-compressor's venv on the same tokens (its record's
    hash is compared with mixprec's): `AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`, i.e. the whole
    model loaded into CPU memory, then `oneshot` with the sequential pipeline.
 Each runs as its own process; wall time and peak RSS are the child's own (bench/child_rss.py: wait4 from a
-small launcher). The two runs go one after the other in this one run. Prints a markdown table.
+small launcher). The runs go one after the other in this one run. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -50,15 +52,20 @@ def synthetic_model(directory: Path, args: argparse.Namespace) -> dict:
     return {**info, "vocab": vocab}
 
 
-def run_mixprec(src: Path, out: Path, args: argparse.Namespace, log: Path) -> dict:
+MIXPREC_MODES = {"default": ([], "mixprec's choice by memory: the whole model"),
+                 "layer-by-layer": (["--layer-by-layer"], "--layer-by-layer: one block at a time")}  # fmt: skip
+
+
+def run_mixprec(src: Path, out: Path, args: argparse.Namespace, log: Path, mode: str) -> dict:
+    flags, loading = MIXPREC_MODES[mode]
     cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(src), "--output", str(out), "--scheme",
            args.scheme, "--algorithm", "gptq", "--calib-data", str(args.calib), "--calib-samples", str(args.samples),
-           "--calib-seq-len", str(args.seq_len), "--quiet", "--json"]  # fmt: skip
+           "--calib-seq-len", str(args.seq_len), "--quiet", "--json", *flags]  # fmt: skip
     seconds, code, peak = run_measured(cmd, log)
     if code != 0:
         raise SystemExit(f"mixprec quantize failed ({code}); see {log}")
     algorithm = json.loads((out / "mixprec_algorithm.json").read_text())
-    return {"tool": "mixprec", "loading": "streamed shard by shard, one block at a time", "seconds": seconds,
+    return {"tool": "mixprec", "loading": loading, "seconds": seconds,
             "peak_bytes": peak, "tokens_sha256": algorithm["data_sha256"], **checkpoint_stats(out)}  # fmt: skip
 
 
@@ -98,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--llmc-python", type=Path, default=Path("/work/llmc-venv/bin/python"))
+    p.add_argument("--mixprec-modes", nargs="+", choices=sorted(MIXPREC_MODES), default=list(MIXPREC_MODES))
     p.add_argument("--skip-llmc", action="store_true")
     p.add_argument("--tmp", default=None, help="where the temporary directory goes")
     args = p.parse_args(argv)
@@ -118,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="mixprec-gptq-rss-", dir=args.tmp))
     try:
         info = synthetic_model(root / "src", args)
-        rows = [run_mixprec(root / "src", root / "mixprec", args, root / "mixprec.log")]
-        shutil.rmtree(root / "mixprec")
+        rows = []
+        for mode in args.mixprec_modes:
+            rows.append(run_mixprec(root / "src", root / "mixprec", args, root / f"mixprec-{mode}.log", mode))
+            shutil.rmtree(root / "mixprec")
         if not args.skip_llmc:
             rows.append(run_llmc(root / "src", root / "llmc", args, root / "llmc.log"))
     finally:
