@@ -33,11 +33,11 @@ ordinary one: the checkpoint written from it is served unchanged. The next block
 block's outputs, which the folds leave unchanged up to rounding.
 
 The record gives per mapping the chosen alpha and family (`scales`: "duo" or "activation"; both None
-when s = 1 won), and the parent's relative output error (MSE over the mean square of the unquantized output) at
-s = 1 (`error_before`: round to nearest of the weights as they stand when the mapping is searched, i.e.
-after the block's Linear -> Linear folds) and at the chosen scales (`error_after`). Only weights are
-rounded in the search, also for the schemes that quantize activations (as AutoAWQ and llm-compressor
-search).
+when s = 1 won), and the parent's relative output error (MSE over the mean square of the unquantized
+output) at s = 1 (`error_before`: round to nearest of the weights as they stand when the mapping is
+searched, i.e. after the block's Linear -> Linear folds) and at the chosen scales (`error_after`). Only
+weights are rounded in the search, also for the schemes that quantize activations (as AutoAWQ and
+llm-compressor search).
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mappi
     """Search and fold AWQ scales into `model` in place, for the Linears of `schemes` ({Linear name:
     scheme}) quantized by round to nearest, with the family of scales `scales` (AWQ_SCALES: "duo" from
     activation and weight magnitudes, "activation", or "both"); returns the record (per mapping: alpha,
-    scales, error before and after, whether it was folded; the mappings left out with the reason). MixprecError, before any
-    change: a model without Llama-like RMSNorm blocks, a scheme for a module that is not a Linear of
-    the model, no mapping with a quantized Linear, n_grid < 1, unknown scales, bad batches."""
+    scales, error before and after, whether it was folded; the mappings left out with the reason).
+    MixprecError, before any change: a model without Llama-like RMSNorm blocks, a scheme for a module
+    that is not a Linear of the model, no mapping with a quantized Linear, n_grid < 1, unknown scales,
+    bad batches."""
     if not isinstance(n_grid, int) or n_grid < 1:
         raise MixprecError(f"AWQ n_grid must be a positive number of grid points, got {n_grid!r}")
     if scales not in AWQ_SCALES:
