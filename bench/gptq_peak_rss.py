@@ -36,20 +36,16 @@ from bench_checkpoint_quantize import versions, write_synthetic_llama
 from child_rss import run_measured
 
 ANCHOR = Path(__file__).resolve().parent / "anchor_llmcompressor.py"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json")  # fmt: skip
 
 
 def synthetic_model(directory: Path, args: argparse.Namespace) -> dict:
-    """The checkpoint with --tokenizer's files and as many embedding rows as its vocabulary."""
+    """The checkpoint with --tokenizer saved beside it and as many embedding rows as its vocabulary."""
     import transformers
 
-    vocab = len(transformers.AutoTokenizer.from_pretrained(args.tokenizer))
-    info = write_synthetic_llama(directory, args.size_gb, args.shard_gb, vocab=vocab)
-    for name in TOKENIZER_FILES:
-        if (args.tokenizer / name).exists() and not (directory / name).exists():
-            shutil.copy(args.tokenizer / name, directory / name)
-    return {**info, "vocab": vocab}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+    info = write_synthetic_llama(directory, args.size_gb, args.shard_gb, vocab=len(tokenizer))
+    tokenizer.save_pretrained(directory)
+    return {**info, "vocab": len(tokenizer)}
 
 
 MIXPREC_MODES = {"default": ([], "mixprec's choice by memory: the whole model"),
