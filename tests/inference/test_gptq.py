@@ -35,12 +35,25 @@ def _layer(gen, n=48, k=256, tokens=512):
     return w, x, h.finish()
 
 
+@pytest.mark.parametrize("k", [1, 3, 7, 300])
+def test_the_hessian_is_symmetric_and_the_inputs_product(k, gen):
+    """Accumulated by row blocks of its lower triangle, mirrored at finish: 2/n X^T X."""
+    x = torch.randn(50, k, generator=gen)
+    acc = HessianAccumulator(k)
+    acc.add(x[:20])
+    acc.add(x[20:].reshape(3, 10, k))  # any leading dimensions
+    h = acc.finish()
+    assert torch.equal(h, h.T)
+    torch.testing.assert_close(h.double(), x.double().T @ x.double() * (2 / 50), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_identity_hessian_is_rtn_bit_for_bit(scheme, gen):
     fmt, g = SCHEMES[scheme]
     w = torch.randn(256, 256, generator=gen) / 16
     result = gptq_quantize(w, torch.eye(256), fmt, g)
     rtn = quantize(w, fmt, g)
+    assert torch.equal(result.rounded, result.quantized.dequantize())
     assert torch.equal(result.quantized.data, rtn.data)
     assert torch.equal(result.quantized.scale, rtn.scale)
     if rtn.global_scale is not None:
@@ -140,7 +153,7 @@ def test_bad_inputs_are_named(gen):
 
 
 def _old_chain(h: torch.Tensor, damp: float, order: torch.Tensor | None) -> torch.Tensor:
-    """The factor as the solve made it before it ran in place: copies at every step."""
+    """The upper Cholesky factor of the dampened inverse, the plain way: copies at every step."""
     h = h.clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
@@ -164,8 +177,28 @@ def test_the_factor_made_in_the_hessians_memory_is_the_copied_one_bit_for_bit(ac
     assert owned.upper.data_ptr() == ptr  # the Hessian's own memory
     order = copied.order
     assert torch.equal(copied.upper, owned.upper)
-    assert torch.equal(owned.upper, _old_chain(kept, 0.01, order))
+    # the factor of the inverse as the solve made it before (three factorisations, copies at each step):
+    # the same matrix, in other roundings
+    torch.testing.assert_close(owned.upper, _old_chain(kept, 0.01, order), rtol=1e-4, atol=1e-5)
     assert torch.equal(owned.diagonal, torch.diagonal(kept)) and int(owned.dead.sum()) == 1
+
+
+@pytest.mark.parametrize("n", [5, 256, 300, 700])
+def test_the_in_place_triangular_inverse_is_the_inverse(n, gen, monkeypatch):
+    from mixprec.inference.algorithms import gptq
+    from mixprec.inference.algorithms.gptq import _invert_lower_in_place, _reverse_in_place
+
+    monkeypatch.setattr(gptq, "CHUNK_BYTES", 64)  # the reversal swaps 16 elements at a time
+
+    a = torch.randn(n, n, generator=gen)
+    lower = torch.linalg.cholesky(a @ a.T / n + torch.eye(n))
+    expected = torch.linalg.inv(lower.double())
+    got = lower.mT.contiguous().mT  # column-major, as the solve holds it
+    _invert_lower_in_place(got, rows_per_chunk=7)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    flat = torch.arange(n * n + 0.0).reshape(n, n)
+    _reverse_in_place(flat)
+    assert torch.equal(flat, torch.arange(n * n + 0.0).flip(0).reshape(n, n))
 
 
 def test_the_in_place_permutation_is_indexing(gen):
@@ -192,6 +225,23 @@ def test_the_output_error_from_the_factor_is_the_hessians(act_order, gen):
     expected = float(((e @ hd) * e).sum() / ((w.double() @ hd) * w.double()).sum())
     factor = solve_factor(h, 0.01, act_order, consume=True)
     assert factor.output_errors(w, rounded, w) == pytest.approx([expected, 0.0], rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8 per-channel", "mxfp4"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptqs_own_output_error_needs_no_solve(scheme, act_order, gen):
+    """The output error of GPTQ's rounding from the solve's scaled errors equals the triangular solve's."""
+    from mixprec.inference.algorithms.gptq import solve_factor
+
+    fmt, g = SCHEMES[scheme]
+    w, _, h = _layer(gen)
+    h[:, 3] = h[3, :] = 0  # a dead input: its weight is zeroed in the solve
+    factor = solve_factor(h, 0.01, act_order, consume=True)
+    result = gptq_quantize(w, factor, fmt, g)
+    q = result.quantized.dequantize()
+    (by_solve,) = factor.output_errors(w, q)
+    (free,) = factor.output_errors(w, solved=(q, float(result.energy_rows.sum())))
+    assert by_solve > 0 and free == pytest.approx(by_solve, rel=1e-4)
 
 
 def test_the_solve_holds_one_hessian(tmp_path):
@@ -243,6 +293,7 @@ def test_a_stacked_solve_rounds_each_linear_as_its_own_solve_bit_for_bit(scheme,
     scale = quantize(torch.cat(weights), fmt, g).scale if g.block_rows is None else None
     global_scale = quantize(torch.cat(weights), fmt, g).global_scale
     stacked = gptq_quantize(torch.cat(weights), h, fmt, g, scale=scale, global_scale=global_scale)
+    assert torch.equal(stacked.rounded, stacked.quantized.dequantize())  # what the records' errors use
     assert stacked.clipped_rows.shape == (sum(STACKED[scheme]),)
     for w, (q, clipped) in zip(weights, split_rows(stacked, [w.shape[0] for w in weights]), strict=True):
         alone = gptq_quantize(w, h, fmt, g, scale=scale, global_scale=global_scale)

@@ -222,3 +222,39 @@ def test_online_gptq_refuses_what_it_cannot_use(llama_dir):
     with pytest.raises(MixprecError, match="token-id tensors"):
         mixprec.quantize_model_(model, "nvfp4a16", calib_data=[torch.randn(2, 8, 128)], algorithm="awq,gptq")
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def test_recorded_output_errors_are_the_hessians(written, llama_dir, calib_file):
+    """Block 0's recorded output errors of RTN and GPTQ (denominator from the layers' outputs, GPTQ's own
+    error from its solve) against tr(E H E^T) / tr(W H W^T) computed here in float64 from the block's
+    inputs (block 0 sees the unquantized embeddings)."""
+    from mixprec.hf import load_tokenizer
+    from mixprec.inference.calibration.data import load_texts, token_batches
+    from mixprec.quantization import quantize
+
+    report, path = written["mxfp4a16"]
+    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    batches = token_batches(load_texts(calib_file), load_tokenizer(llama_dir), 8, 32)
+    names = [n for n in report.algorithm["layers"] if n.startswith("model.layers.0.")]
+    inputs = {n: [] for n in names}
+    handles = [model.get_submodule(n).register_forward_pre_hook(lambda _m, a, n=n: inputs[n].append(a[0]))
+               for n in names]  # fmt: skip
+    with torch.no_grad():
+        for b in batches:
+            model(input_ids=b)
+    for h in handles:
+        h.remove()
+    loaded = mixprec.load_quantized(path)
+    sch = InferenceScheme.from_name("mxfp4a16")
+    for n in names:
+        x = torch.cat([a.reshape(-1, a.shape[-1]) for a in inputs[n]]).double()
+        w = model.get_submodule(n).weight.detach().float()
+        rtn = quantize(w, sch.fmt, sch.weight_granularity).dequantize()
+        gptq = loaded.get_submodule(n).dequantized_weight(torch.float32)
+
+        def err(q, x=x, w=w):
+            return float((x @ (w - q).double().T).square().sum() / (x @ w.double().T).square().sum())
+
+        rec = report.algorithm["layers"][n]
+        assert rec["output_error_rtn"] == pytest.approx(err(rtn), rel=2e-3), n
+        assert rec["output_error"] == pytest.approx(err(gptq), rel=2e-3), n
