@@ -88,3 +88,31 @@ def _required(name: str) -> list[str]:
         "evaluate": ["--reference", "r", "--candidate", "c", "--data", "d"],
         "finetune": ["--model", "m", "--scheme", "nvfp4a16", "--mode", "qat", "--data", "d", "--output", "o"],
     }.get(name, [])
+
+
+# 200 buffers of 1 MiB from the heap (a freed 20 MiB buffer first raises glibc's mmap threshold past
+# them), all freed but the last, which pins the heap's top so that free() alone trims nothing
+_TRIM = """
+import torch
+from mixprec.kernels import allocator
+def anon():
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon')) * 1024
+big = torch.empty(5 << 20).fill_(1.0)  # 20 MiB
+del big
+buffers = [torch.empty(1 << 18).fill_(1.0) for _ in range(200)]
+last = buffers[-1]
+del buffers
+before = anon()
+allocator.release_free_memory()
+print((before - anon()) / (1 << 20))
+"""
+
+
+def test_free_memory_goes_back_to_the_kernel_between_blocks():
+    """release_free_memory (called after each block of the layer-by-layer walk and each GPTQ solve)
+    hands the heap's free pages back: the resident size drops by the freed buffers."""
+    if not os.path.exists("/proc/self/status") or allocator._glibc() is None:
+        pytest.skip("glibc on Linux")
+    env = {**os.environ, allocator.ENV_VAR: "default"}
+    out = subprocess.run([sys.executable, "-c", _TRIM], capture_output=True, text=True, check=True, env=env)
+    assert float(out.stdout) > 150  # MiB of the 200 freed

@@ -42,6 +42,7 @@ from mixprec.inference.calibration.layerwise import Captured
 from mixprec.inference.checkpoint.block_tensors import fused_global_scales
 from mixprec.inference.checkpoint.spill import SpilledResults
 from mixprec.inference.schemes import InferenceScheme
+from mixprec.kernels.allocator import release_free_memory
 from mixprec.quantization import QuantizationStats, quantize
 from mixprec.ranks import rank, world_size
 from mixprec.scaling import QuantizedTensor, compute_scale
@@ -216,6 +217,7 @@ class GptqPass:
                     self._round_group(group, acc.finish(), acc.rows, modules, self._energies[group])
                 )
             del acc, self._energies[group]
+            release_free_memory()  # the solve's transient buffers, before the next group's
         for j, group in enumerate(groups):  # in group order on every rank: the records' order too
             for m in group:
                 q, layer = solved.pop(m) if m in solved else (None, None)

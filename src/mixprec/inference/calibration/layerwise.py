@@ -55,6 +55,7 @@ from mixprec.inference.calibration.run import (
 )
 from mixprec.inference.checkpoint.linear_weights import model_keys
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader
+from mixprec.kernels.allocator import release_free_memory
 from mixprec.kernels.bf16_cpu import gemms_in_fp32
 
 # The arguments a block receives, one (args, kwargs) per calibration batch.
@@ -210,6 +211,7 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
                 captured = outputs
                 if drop is not None:
                     drop(block)  # this block's weights
+                release_free_memory()
                 if progress is not None:
                     progress()
     finally:
