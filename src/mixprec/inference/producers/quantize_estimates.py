@@ -149,9 +149,9 @@ def probe_gemm_rate(shape: tuple[int, int], threads: int | None = None) -> float
 
 
 def gptq_flops(out_f: int, in_f: int) -> float:
-    """The GEMM work of one GPTQ solve: the lazy block updates (2 out in^2) and the Hessian's
-    Cholesky factor, inverse and factor again (about 4/3 in^3)."""
-    return 2.0 * out_f * in_f**2 + 4.0 / 3.0 * in_f**3
+    """The GEMM work of one GPTQ solve: the lazy block updates (2 out in^2) and the solve factor: one
+    Cholesky factor and one triangular inverse (about 2/3 in^3, gptq.solve_factor)."""
+    return 2.0 * out_f * in_f**2 + 2.0 / 3.0 * in_f**3
 
 
 @dataclass(frozen=True)

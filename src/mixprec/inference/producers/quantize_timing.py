@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mixprec.inference.algorithms.gptq import HESSIAN_ROW_BLOCKS
 from mixprec.inference.algorithms.gptq_pass import input_groups
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint
 from mixprec.inference.producers import quantize_estimates as est
@@ -90,10 +91,13 @@ def _vocab(selection: Selection) -> int:
 def _gptq_terms(selection: Selection, tokens: int, p: Probes) -> dict[str, float]:
     targets = selection.targets
     groups = input_groups(list(targets))
-    hessian = sum(2.0 * tokens * targets[g[0]][1] ** 2 for g in groups) / p.gemm_rate
-    records = sum(3.0 * o * i * i for o, i in targets.values()) / p.gemm_rate
-    terms = {f"GPTQ Hessians: 2 x tokens x in^2 flops for {len(groups)} input groups": hessian,
-             f"GPTQ error records: 3 x out x in^2 flops for {len(targets)} Linears": records}  # fmt: skip
+    # the Hessian's lower triangle by row blocks (gptq.HessianAccumulator): (B + 1) / 2B of the full product
+    share = (HESSIAN_ROW_BLOCKS + 1) / (2 * HESSIAN_ROW_BLOCKS)
+    hessian = sum(2.0 * share * tokens * targets[g[0]][1] ** 2 for g in groups) / p.gemm_rate
+    records = sum(1.0 * o * i * i for o, i in targets.values()) / p.gemm_rate
+    terms = {f"GPTQ Hessians: 2 x {share:g} x tokens x in^2 flops for {len(groups)} input groups": hessian,
+             f"GPTQ error records: out x in^2 flops (round to nearest's triangular solve) for {len(targets)} "
+             "Linears": records}  # fmt: skip
     if p.gptq is not None:
         solves = sum(p.gptq.seconds_for(o, i) for o, i in targets.values())
         terms[f"GPTQ solves: probe on {p.gptq.out_features} x {p.gptq.inputs} ({p.gptq.seconds:.2f} s), "
