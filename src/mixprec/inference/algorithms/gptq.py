@@ -373,9 +373,8 @@ class _Solver:
         # weight touched N cache lines: 40 % of a stacked gate/up solve's time, AVX-512 EPYC)
         self.rounded_t = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype)
         self.clipped = torch.zeros(w.shape[0], dtype=torch.int64)  # per output row
-        self.energy = torch.zeros(
-            w.shape[0], dtype=torch.float64
-        )  # per output row: sum of squared scaled errors
+        # per output row: the sum of the squared scaled errors (GptqResult.energy_rows)
+        self.energy = torch.zeros(w.shape[0], dtype=torch.float64)
         self._rows = None  # (first column of the group, its multiplier per row, its clip limit per row)
 
     def round_column(self, column: int, values: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ expert; one that saw too few is rounded to nearest instead (gptq_experts.py).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -243,48 +244,43 @@ class GptqPass:
         factor = solve_factor(
             hessian, self.params.damp, self.params.act_order, f"{group[0]}.weight", consume=True
         )
+        energy = {m: float(e) * 2.0 / rows for m, e in zip(group, energies.tolist())}  # tr(W H W^T)
         for members in stacks(group, self.schemes, shared, weights):
-            sch = self.schemes[members[0]]
             scale, global_scale = shared.get(members[0], (None, None))
-            searched = (
-                search_global_scale(global_scale)
-                if self.search and global_scale is not None
-                else global_scale
-            )
             started = time.perf_counter()
-            stacked = weights[members[0]] if len(members) == 1 else torch.cat([weights[m] for m in members])
-            result = gptq_quantize(
-                stacked, factor, sch.fmt.name, sch.weight_granularity, block=self.params.block, scale=scale,
-                global_scale=searched, name=f"{members[0]}.weight", search=self.search,
-            )  # fmt: skip
-            del stacked
+            result = self._solve_stack(members, factor, weights, scale, global_scale)
             seconds = time.perf_counter() - started
-            total_rows = sum(weights[m].shape[0] for m in members)
-            r0 = 0
-            for m, (q, clipped) in zip(members, split_rows(result, [weights[m].shape[0] for m in members])):
-                w = weights[m]
-                energy = float(result.energy_rows[r0 : r0 + w.shape[0]].sum())
-                r0 += w.shape[0]
-                rtn = quantize(
-                    w.detach().float(),
-                    sch.fmt,
-                    sch.weight_granularity,
-                    scale=scale,
-                    global_scale=global_scale,
-                )
-                output_energy = float(energies[group.index(m)]) * 2.0 / rows
+            sizes = [weights[m].shape[0] for m in members]
+            ends = itertools.accumulate(sizes)
+            for m, (q, clipped), r1 in zip(members, split_rows(result, sizes), ends, strict=True):
+                w, sch = weights[m], self.schemes[m]
+                mine = slice(r1 - w.shape[0], r1)  # its rows in the stacked solve
+                rtn = quantize(w.detach().float(), sch.fmt, sch.weight_granularity, scale=scale,
+                               global_scale=global_scale)  # fmt: skip
                 error_rtn, error = factor.output_errors(
-                    w, rtn.dequantize(), solved=(result.rounded[r0 - w.shape[0] : r0], energy),
-                    den=None if math.isnan(output_energy) else output_energy,
+                    w, rtn.dequantize(), solved=(result.rounded[mine], float(result.energy_rows[mine].sum())),
+                    den=None if math.isnan(energy[m]) else energy[m],
                 )  # fmt: skip
                 out[m] = q, {
-                    "output_error_rtn": error_rtn,
-                    "output_error": error,
+                    "output_error_rtn": error_rtn, "output_error": error,
                     # a stacked solve's time, shared out by rows
-                    "seconds": round(seconds * w.shape[0] / total_rows, 3), "damp": result.damp,
+                    "seconds": round(seconds * w.shape[0] / sum(sizes), 3), "damp": result.damp,
                     "clipped": clipped, "dead_inputs": result.dead_columns, "tokens": rows,
                 }  # fmt: skip
         return out
+
+    def _solve_stack(self, members: tuple[str, ...], factor, weights: Mapping[str, torch.Tensor],
+                     scale: torch.Tensor | None, global_scale: torch.Tensor | None) -> GptqResult:  # fmt: skip
+        """GPTQ of the members' weights stacked by rows, with the group's factor and shared scales."""
+        sch = self.schemes[members[0]]
+        searched = (
+            search_global_scale(global_scale) if self.search and global_scale is not None else global_scale
+        )
+        stacked = weights[members[0]] if len(members) == 1 else torch.cat([weights[m] for m in members])
+        return gptq_quantize(
+            stacked, factor, sch.fmt.name, sch.weight_granularity, block=self.params.block, scale=scale,
+            global_scale=searched, name=f"{members[0]}.weight", search=self.search,
+        )  # fmt: skip
 
 
 def stacks(group: tuple[str, ...], schemes: Mapping[str, InferenceScheme],
