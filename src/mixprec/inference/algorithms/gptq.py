@@ -30,7 +30,6 @@ True): the whole solve then holds one K x K), and the per-layer output errors ar
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +42,6 @@ from mixprec.scaling import Granularity, QuantizedTensor, as_2d, check_scale
 
 DEFAULT_DAMP = 0.01
 DEFAULT_BLOCK = 128
-# columns whose rank-1 updates stay among themselves inside a block (_Solver._round_block)
-SUB_BLOCK = 16
 
 
 # Row blocks of the Hessian's lower triangle accumulated by one GEMM each (HessianAccumulator.add)
@@ -420,36 +417,22 @@ class _Solver:
 
     def _round_block(self, rows: torch.Tensor, h_block: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Round the columns of one block (`rows`: their transposed values, updated in place); returns
-        the scaled errors [block, N] the later columns are updated with. Within the block a second level
-        of lazy updates: each column's rank-1 update reaches only its sub-block of SUB_BLOCK columns
-        (or fewer: a divisor of the group width, so that a group's first column is a sub-block's), the
-        rest of the block gets the sub-block's errors as one GEMM at the sub-block's end. The same
-        updates in another fp32 order; a rank-1 update of the whole block's rows was memory-bound (a
-        stacked gate/up of 11264 rows: 0.5 ms a column, AVX-512 EPYC)."""
+        the scaled errors [block, N] the later columns are updated with."""
         errors = torch.empty_like(rows)
-        sub = math.gcd(self.width, SUB_BLOCK)
-        for s0 in range(0, len(columns), sub):
-            s1 = min(s0 + sub, len(columns))
-            for i in range(s0, s1):
-                self._round_one(rows, h_block, columns[i], i, s1, errors)
-            if s1 < len(columns):
-                rows[s1:].addmm_(h_block[s0:s1, s1:].t(), errors[s0:s1], alpha=-1.0)
+        for i, column in enumerate(columns):
+            if column not in self.scales and column % self.width == 0:
+                # a group's scales come from its columns as updated so far (all in this block)
+                group = rows[i : i + self.width].t()
+                self.scales[column] = _scales_of(
+                    group, self.fmt, self.g, self.global_scale, self.importance, column
+                )
+            values = rows[i]
+            rounded = self.round_column(column, values)
+            self.rounded_t[column] = rounded
+            err = (values - rounded) / h_block[i, i]
+            rows[i:].addr_(h_block[i, i:], err, alpha=-1.0)
+            errors[i] = err
         return errors
-
-    def _round_one(self, rows, h_block, column: int, i: int, s1: int, errors: torch.Tensor) -> None:
-        """Round column `column` (row i of the block), update the rest of its sub-block (rows up to s1)."""
-        if column not in self.scales and column % self.width == 0:
-            # a group's scales come from its columns as updated so far (all in this block)
-            group = rows[i : i + self.width].t()
-            self.scales[column] = _scales_of(
-                group, self.fmt, self.g, self.global_scale, self.importance, column
-            )
-        values = rows[i]
-        rounded = self.round_column(column, values)
-        self.rounded_t[column] = rounded
-        err = (values - rounded) / h_block[i, i]
-        rows[i:s1].addr_(h_block[i, i:s1], err, alpha=-1.0)
-        errors[i] = err
 
     def scale_grid(self, n: int) -> torch.Tensor:
         """The scales of all groups as the granularity's grid for the whole weight."""
