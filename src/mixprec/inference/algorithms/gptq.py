@@ -317,13 +317,13 @@ def gptq_quantize(
     solver = _Solver(w, fmt_, granularity, width, fixed, global_scale, importance)
     del w  # the solver's transposed copy is the one it updates (memory: one N x K fp32 less)
     solver.run(factor.upper, factor.order, block if width == k else max(width, block - block % width))
-    q = quantize(
-        solver.rounded_t.t(), fmt_, granularity, scale=solver.scale_grid(n), global_scale=global_scale
-    )
+    # back to [N, K] rows: quantize reads a transposed view 40x slower (3.0 s against 0.07 s for 6144 x 2048)
+    rounded = solver.rounded_t.t().contiguous()
+    solver.rounded_t = None
+    q = quantize(rounded, fmt_, granularity, scale=solver.scale_grid(n), global_scale=global_scale)
     return GptqResult(
-        q, int(solver.clipped.sum()), int(dead.sum()), factor.damp, solver.clipped, solver.energy,
-        solver.rounded_t.t(),
-    )  # fmt: skip
+        q, int(solver.clipped.sum()), int(dead.sum()), factor.damp, solver.clipped, solver.energy, rounded
+    )
 
 
 def _check(weight: torch.Tensor, factor: SolveFactor, g: Granularity, name: str) -> torch.Tensor:
