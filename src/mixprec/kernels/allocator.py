@@ -34,6 +34,7 @@ _MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: larg
 _TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the heap's top is trimmed only above 2 GiB free
 
 _state: list[str] = []  # what keep_freed_memory() did, once
+_KEPT = "freed memory kept (glibc: mmap threshold 32 MiB, trim threshold 2 GiB)"
 
 
 def requested() -> str:
@@ -60,7 +61,7 @@ def _apply() -> str:
     ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     if not ok:
         return "the C library's defaults (glibc refused mallopt)"
-    return "freed memory kept (glibc: mmap threshold 32 MiB, trim threshold 2 GiB)"
+    return _KEPT
 
 
 def _glibc():
@@ -84,7 +85,7 @@ def release_free_memory() -> None:
     the heap, where they fragment and the next block's peak adds to them. Measured on a 6-block
     synthetic checkpoint (hidden 2048, nvfp4a16 GPTQ --layer-by-layer, AVX-512 EPYC): peak RSS
     1.80 GB with glibc's defaults; trimmed after each block, see docs/benchmarks.md."""
-    if _state and _state[0].startswith("freed memory kept"):
+    if _state and _state[0] == _KEPT:
         return
     libc = _glibc()
     if libc is not None:
