@@ -10,7 +10,8 @@ same calibration tokens (mixprec's own windows; the token hashes are compared) a
 in high precision as its ignore list; then `mixprec evaluate --task lm` scores every checkpoint against the
 bf16 model on --eval-samples x --eval-seq-len tokens of --data (held out from --calib: a different file), with
 paired 95 % bootstrap intervals. Prints a markdown table: tool, recipe, scheme, bits per weight (over the
-quantized Linears), file size, perplexity change [interval], quantize wall time and peak RSS.
+quantized Linears), file size, perplexity change [interval], quantize wall time (the anchor's from after
+its imports), the whole process's wall time, and peak RSS.
 
 WORK/runs/NAME.json holds each quantize run's record and WORK/eval/NAME.json its evaluate report (NAME is
 tool-recipe-scheme); --reuse takes those that exist instead of running again. --adopt NAME=DIR,TIMELOG[,EVAL]
@@ -59,6 +60,9 @@ class Run:
     bits_per_weight: float | None = None
     file_bytes: int | None = None
     tokens_sha256: str | None = None  # the calibration token ids' hash (None: no calibration run)
+    # the whole process, start-up and imports included (mixprec's wall_seconds is already that; the
+    # anchor's wall_seconds starts after its imports)
+    process_seconds: float | None = None
 
     @property
     def name(self) -> str:
@@ -124,6 +128,7 @@ def quantize_mixprec(args: argparse.Namespace, recipe: str, scheme: str) -> Run:
         round(wall, 2),
         round(rss, 1),
         tokens_sha256=calibration_hash(out),
+        process_seconds=round(wall, 2),
     )
 
 
@@ -133,9 +138,10 @@ def quantize_llmc(args: argparse.Namespace, recipe: str, scheme: str, ignore: li
     cmd = [str(args.llmc_python), str(ANCHOR), "--model", str(args.model), "--output", str(out),
            "--scheme", scheme, "--recipe", recipe, "--calib", str(args.calib), "--samples", str(args.samples),
            "--seq-len", str(args.seq_len), "--json", str(record), "--ignore", *ignore]  # fmt: skip
-    timed(cmd, args.work / "runs" / f"{run.name}.log")
+    process, _ = timed(cmd, args.work / "runs" / f"{run.name}.log")
     line = json.loads(record.read_text())
     run.output, run.wall_seconds, run.peak_rss_mib = str(out), line["wall_seconds"], line["peak_rss_mib"]
+    run.process_seconds = round(process, 2)
     run.tokens_sha256 = line["tokens_sha256"]
     return run
 
@@ -168,8 +174,8 @@ def _duration(seconds: float) -> str:
 
 def table(rows: list[tuple[Run, dict | None]]) -> str:
     """The markdown table, one line per run (its evaluate report, or None when not scored)."""
-    lines = ["| tool | recipe | scheme | bits/weight | file size | perplexity change [95 %] | wall | peak RSS |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| tool | recipe | scheme | bits/weight | file size | perplexity change [95 %] | wall | process | peak RSS |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for run, report in rows:
         if report is None:
             change = "(not scored)"
@@ -179,9 +185,10 @@ def table(rows: list[tuple[Run, dict | None]]) -> str:
         bits = f"{run.bits_per_weight:.3f}" if run.bits_per_weight else "-"
         size = f"{run.file_bytes / 2**20:.1f} MiB" if run.file_bytes else "-"
         wall = "-" if run.wall_seconds is None else _duration(run.wall_seconds)
+        process = "-" if run.process_seconds is None else _duration(run.process_seconds)
         rss = f"{run.peak_rss_mib / 1024:.2f} GiB" if run.peak_rss_mib is not None else "-"
         lines.append(
-            f"| {run.tool} | {run.recipe} | {run.scheme} | {bits} | {size} | {change} | {wall} | {rss} |"
+            f"| {run.tool} | {run.recipe} | {run.scheme} | {bits} | {size} | {change} | {wall} | {process} | {rss} |"
         )
     return "\n".join(lines)
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.inference.algorithms.gptq import HessianAccumulator, gptq_quantize
+from mixprec.formats import get_format
+from mixprec.inference.algorithms.gptq import HessianAccumulator, _group_scales, gptq_quantize
+from mixprec.kernels import emulation
 from mixprec.quantization import quantize
 from mixprec.scaling import Granularity
 
@@ -45,6 +47,31 @@ def test_the_hessian_is_symmetric_and_the_inputs_product(k, gen):
     h = acc.finish()
     assert torch.equal(h, h.T)
     torch.testing.assert_close(h.double(), x.double().T @ x.double() * (2 / 50), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [5, 300])
+def test_bf16_inputs_take_the_bf16_units_and_other_inputs_stay_in_fp32(k, gen):
+    """Forced "bf16" (on any CPU: one without native bf16 runs the same call in fp32): bf16 inputs give
+    the same exact products as fp32, summed in another order; fp32 inputs are never rounded to bf16 —
+    their Hessian is the fp32 accumulator's bit for bit. `arithmetic_used` says what ran."""
+    x = (torch.randn(64, k, generator=gen) * 3).bfloat16()
+    fp32, bf16 = HessianAccumulator(k, arithmetic="fp32"), HessianAccumulator(k, arithmetic="bf16")
+    for acc in (fp32, bf16):
+        acc.add(x[:40])
+        acc.add(x[40:])
+    exact = x.double().T @ x.double() * (2 / 64)
+    h32, h16 = fp32.finish(), bf16.finish()
+    assert torch.equal(h16, h16.T)
+    for h in (h32, h16):  # fp32 sums of 64 exact products: within a few ulps of the float64 result
+        torch.testing.assert_close(h.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    assert fp32.arithmetic_used == {"fp32"}
+    assert bf16.arithmetic_used == ({"bf16"} if emulation.native_bf16() else {"fp32"})
+
+    wide = torch.randn(64, k, generator=gen)  # not bf16-exact: never multiplied on the bf16 units
+    a, b = HessianAccumulator(k, arithmetic="fp32"), HessianAccumulator(k, arithmetic="bf16")
+    a.add(wide)
+    b.add(wide)
+    assert torch.equal(a.finish(), b.finish()) and b.arithmetic_used == {"fp32"}
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -90,6 +117,22 @@ def _reference_gptq(w, h, fmt, g, damp=0.01):
         out[:, i] = q
         w[:, i:] -= ((w[:, i] - q) / hinv[i, i])[:, None] * hinv[i, i:][None, :]
     return out
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_scales_fixed_up_front_are_each_groups_own(scheme, gen):
+    """Round to nearest's scales, made by one quantize call over the whole weight, are those of each
+    group quantized alone (K = 300: a partial last group for every block width)."""
+    fmt, g = SCHEMES[scheme]
+    w = torch.randn(256, 300, generator=gen)
+    w[:, 7] *= 40  # one group with a far larger amax
+    global_scale = quantize(w, fmt, g).global_scale
+    width = 300 if g.block_cols is None else min(g.block_cols, 300)
+    fixed = _group_scales(w, get_format(fmt), g, width, None, global_scale, None)
+    assert sorted(fixed) == list(range(0, 300, width))
+    for c0, scale in fixed.items():
+        alone = quantize(w[:, c0 : c0 + width], fmt, g, global_scale=global_scale).scale
+        assert torch.equal(scale, alone), c0
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8 per-channel", "mxfp4"])

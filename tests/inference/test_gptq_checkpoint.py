@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from inference_helpers import assert_same_quantized, read_tensors
+from inference_helpers import assert_same_quantized, read_tensors, save_with_tokenizer, tiny_llama
 
 import mixprec
 from mixprec.errors import MixprecError
@@ -20,6 +20,7 @@ from mixprec.inference.checkpoint.algorithm_file import ALGORITHM_FILE, read_alg
 from mixprec.inference.producers.quantize import quantize_checkpoint
 from mixprec.inference.runtime.linear import QuantizedLinear
 from mixprec.inference.schemes import InferenceScheme
+from mixprec.kernels import emulation
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,6 +86,7 @@ def test_gptq_checkpoint_differs_from_rtn_and_records_itself(written, llama_dir,
     doc = read_algorithm_file(path)
     assert doc["kind"] == "mixprec-algorithm" and doc["names"] == ["gptq"] and doc["scheme"] == "nvfp4a16"
     assert doc["gptq"] == {"damp": 0.01, "block": 128, "act_order": True, "sequential": True}
+    assert doc["hessian_arithmetic"] == "fp32"  # an fp32 model (and the suite pins the fp32 emulation)
     assert (
         doc["tokens"] == 256
         and len(doc["data_sha256"]) == 64
@@ -105,6 +107,25 @@ def test_fp8_static_fused_shards_share_the_weight_scale_fixed_before_the_solve(w
         gu = [float(t[f"{p}mlp.{m}_proj.weight_scale"]) for m in ("gate", "up")]
         assert len(set(qkv)) == 1 and len(set(gu)) == 1
         assert f"{p}self_attn.q_proj.input_scale" in t
+
+
+def test_a_bf16_models_hessians_take_the_bf16_units_and_say_so(calib_file, tmp_path):
+    """Under the bf16 GEMM emulation the Hessians of a bf16 model's inputs are formed on the bf16
+    units (where the CPU has them: the record says which ran); GPTQ still beats RTN on every Linear,
+    and where both ran in fp32 the two checkpoints are the same bytes."""
+    src = save_with_tokenizer(tiny_llama().to(torch.bfloat16), tmp_path / "model")
+    reports = {}
+    for backend in ("fp32", "bf16"):
+        with emulation.forced(backend):
+            reports[backend] = _quantize(src, tmp_path / backend, "nvfp4a16", calib_file)
+    native = emulation.native_bf16()
+    assert reports["fp32"].algorithm["hessian_arithmetic"] == "fp32"
+    assert reports["bf16"].algorithm["hessian_arithmetic"] == ("bf16" if native else "fp32")
+    for rec in reports["bf16"].algorithm["layers"].values():
+        assert rec["output_error"] < rec["output_error_rtn"]
+    if not native:
+        a, b = read_tensors(tmp_path / "fp32"), read_tensors(tmp_path / "bf16")
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_parallel_propagation_and_parameters_are_recorded(llama_dir, calib_file, tmp_path):

@@ -21,7 +21,8 @@ Peak memory (RSS), nothing of it growing with the number of blocks:
                                     bytes per input group, K its input width), each freed once its
                                     group is rounded; a group's solve factor is made in its Hessian's
                                     memory (gptq.solve_factor), beside it a few fp32 copies of the
-                                    weight being rounded (4 N x K each)
+                                    weight being rounded (4 N x K each) and its groups' multipliers
+                                    and clip limits (8 N x K / group width: N K / 2 at NVFP4's 16)
   + GPTQ results of the block       its rounded Linears (1 byte a weight for the codes, plus scales);
                                     on a checkpoint they go to disk at the end of each block, beside
                                     the output, until the writer stores them (checkpoint/spill.py)

@@ -264,7 +264,8 @@ def whole_model_memory(s: Shapes, baseline: int, seq_len: int) -> dict[str, floa
 @dataclass(frozen=True)
 class GptqMemory:
     block_hessian_bytes: int
-    solve_bytes: int  # the weight's 4 fp32 copies and a chunk of rows (the factor lives in the Hessian)
+    # the weight's 4 fp32 copies, its groups' multipliers and a chunk of rows (the factor lives in the Hessian)
+    solve_bytes: int
     results_bytes: int
 
 

@@ -309,8 +309,9 @@ def _gptq_memory(s: est.Shapes, selection: Selection) -> est.GptqMemory:
         for n, d in targets.items()
         for _, dtype, shape in planned_tensors(n, d, selection.schemes[n], "compressed-tensors")
     )
-    # the factor is made in the Hessian's own memory (counted above): beside it a chunk of rows at most
-    return est.GptqMemory(hessians, 4 * out_f * in_f * 4 + CHUNK_BYTES, rounded)
+    # the factor is made in the Hessian's own memory (counted above): beside it a chunk of rows at most,
+    # and the column loop's per-group multipliers and clip limits (8 bytes a row per 16-wide group)
+    return est.GptqMemory(hessians, 4 * out_f * in_f * 4 + out_f * in_f // 2 + CHUNK_BYTES, rounded)
 
 
 def _disk(job: QuantizeJob, plan: QuantizePlan) -> dict[str, Any]:
