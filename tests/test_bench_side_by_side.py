@@ -91,19 +91,22 @@ def test_adopt_reads_name_time_and_eval(sbs, tmp_path):
 
 
 def test_table_rows(sbs):
-    scored = sbs.Run("mixprec", "gptq", "nvfp4a16", "/x", 1140.0, 3072.0, 4.5001, 116494680, "ab")
+    scored = sbs.Run("mixprec", "gptq", "nvfp4a16", "/x", 1140.0, 3072.0, 4.5001, 116494680, "ab", 1140.0)
     unscored = sbs.Run("llm-compressor", "rtn", "nvfp4a16", "/y", None, None)
+    anchor = sbs.Run("llm-compressor", "gptq", "nvfp4a16", "/w", 100.0, 1024.0, process_seconds=108.4)
     report = {"tasks": {"lm": {"intervals": {"perplexity_relative_change": {"estimate": 0.1234, "low": 0.1, "high": 0.15}}}}}  # fmt: skip
     lines = sbs.table([(scored, report), (unscored, None)]).splitlines()
     assert len(lines) == 4
     assert (
         lines[2]
-        == "| mixprec | gptq | nvfp4a16 | 4.500 | 111.1 MiB | +12.34% [+10.00%, +15.00%] | 19.0 min | 3.00 GiB |"
+        == "| mixprec | gptq | nvfp4a16 | 4.500 | 111.1 MiB | +12.34% [+10.00%, +15.00%] | 19.0 min | 19.0 min | 3.00 GiB |"
     )
-    assert lines[3] == "| llm-compressor | rtn | nvfp4a16 | - | - | (not scored) | - | - |"
+    assert lines[3] == "| llm-compressor | rtn | nvfp4a16 | - | - | (not scored) | - | - | - |"
     assert sbs.table([(sbs.Run("mixprec", "rtn", "nvfp4a16", "/z", 9.14, 554.5), None)]).endswith(
-        "| 9 s | 0.54 GiB |"
+        "| 9 s | - | 0.54 GiB |"
     )
+    # the anchor's wall starts after its imports; its whole process is the next column
+    assert sbs.table([(anchor, None)]).endswith("| 100 s | 108 s | 1.00 GiB |")
     assert sbs.same_tokens([scored, unscored]) == "identical calibration tokens (one sha256)"
     assert sbs.same_tokens([scored, sbs.Run("mixprec", "rtn", "nvfp4a16", "/z", 1.0, 1.0, tokens_sha256="cd")]).startswith("DIFFERENT")  # fmt: skip
 

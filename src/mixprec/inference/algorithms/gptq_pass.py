@@ -117,8 +117,8 @@ class GptqPass:
         N K^2 flops (a third of the GPTQ walk's time at hidden 2048 before). The outputs are the model
         dtype's roundings of x W^T: the ratio moves by well under 0.1 %. The sum is from fp32 row norms
         of the outputs as they are (a float64 sum of squares, upcast element by element, took 8 % of a
-        SmolLM2 GPTQ run). NaN: not hooked (an expert weight run by its MoE module): its denominator comes from
-        the solve."""
+        SmolLM2 GPTQ run). NaN: not hooked (an expert weight run by its MoE module): its denominator
+        comes from the solve."""
         energies = torch.full((len(group),), float("nan"), dtype=torch.float64)
         self._energies[group] = energies
         handles = []
