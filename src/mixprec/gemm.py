@@ -264,7 +264,7 @@ def _matmul(
     bf16_out: the fp32 sums rounded once to bf16 — on the bf16 units a GEMM of bf16 operands with bf16
     output (its own single rounding; no fp32 result is written), else op(x, y)
     rounded to bf16."""
-    if bf16_out and arith == "bf16" and emulation.native_bf16():
+    if bf16_out and emulation.on_bf16_units(arith):
         return op(x.to(torch.bfloat16), y.to(torch.bfloat16))
     with emulation.gemm_context(arith):
         out = op(x, y)

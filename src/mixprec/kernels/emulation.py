@@ -129,10 +129,16 @@ def _bf16_mode() -> Iterator[None]:
         settings.fp32_precision = old
 
 
+def on_bf16_units(backend: str) -> bool:
+    """Whether `backend`'s GEMMs run on the bf16 units here: "bf16" on a CPU whose torch takes the mode
+    (forced "bf16" elsewhere is the same code in fp32 arithmetic)."""
+    return backend == "bf16" and native_bf16()
+
+
 def gemm_context(backend: str) -> contextlib.AbstractContextManager:
-    """Around the emulation's matmuls: the bf16 mode for "bf16" (on a CPU whose torch takes it), else
-    nothing. The operands inside must be bf16-exact: mixprec.gemm builds them so."""
-    if backend == "bf16" and native_bf16():
+    """Around the emulation's matmuls: the bf16 mode where on_bf16_units(backend), else nothing. The
+    operands inside must be bf16-exact: mixprec.gemm builds them so."""
+    if on_bf16_units(backend):
         return _bf16_mode()
     return contextlib.nullcontext()
 
@@ -151,6 +157,7 @@ __all__ = [
     "gemm_context",
     "is_bf16_exact",
     "native_bf16",
+    "on_bf16_units",
     "requested",
     "set_backend",
 ]

@@ -91,8 +91,7 @@ class HessianAccumulator:
             for r0, r1 in self._blocks:
                 self.sum[r0:r1, :r1].addmm_(x[:, r0:r1].t(), x[:, :r1])
         self.rows += x.shape[0]
-        # what ran: a forced "bf16" on a CPU without native bf16 is fp32 arithmetic
-        self.arithmetic_used.add("bf16" if arithmetic == "bf16" and emulation.native_bf16() else "fp32")
+        self.arithmetic_used.add("bf16" if emulation.on_bf16_units(arithmetic) else "fp32")  # what ran
 
     def finish(self) -> torch.Tensor:
         """H, scaled in place of the sum (no second K x K copy): the accumulator is spent."""
