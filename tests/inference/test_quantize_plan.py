@@ -183,7 +183,8 @@ def test_disk_that_will_not_fit(llama_dir, tmp_path, capsys, monkeypatch):
 
 def test_streaming_memory_terms(header_only, tmp_path):
     """NVFP4 reads a fused GEMM's shards together (q/k/v: 3): the read buffers are min(workers x 3,
-    workers + 3) of the largest weight, the payload buffers workers + 3 of its out x in bytes."""
+    workers + 3) of the largest weight, the payload buffers workers + 3 of its out x in bytes; the packed
+    4-bit results waiting for the writer workers + 1 of out x in / 2 + its E4M3 scales (one per 16)."""
     plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", probe=False)
     workers = max(1, min(4, os.cpu_count() or 1))
     largest = 5632 * 2048
@@ -191,7 +192,10 @@ def test_streaming_memory_terms(header_only, tmp_path):
     reads = min(workers * 3, workers + 3)
     assert terms[f"read buffers: {reads} x the largest Linear weight"] == reads * largest * 2
     assert terms[f"payload buffers: {workers + 3} x the largest payload"] == (workers + 3) * largest
+    packed = f"packed 4-bit results waiting for the writer: {workers + 1} x the largest"
+    assert terms[packed] == (workers + 1) * (largest // 2 + largest // 16)
     assert terms["copy buffer"] == 16 << 20 and plan.time is None
+    assert terms["the writer's staging buffer (direct writes)"] == 8 << 20
 
 
 def test_gptq_probe_scaling_rule():

@@ -171,6 +171,18 @@ def test_a_linear_is_cut_by_a_shard_boundary(case, references):
     assert cut
 
 
+@pytest.mark.parametrize("case", ["nvfp4a16", "fp8-dynamic"])
+@pytest.mark.parametrize(("workers", "ahead"), [(1, 0), (2, 0), (4, 3)])
+def test_any_depth_of_the_stream_writes_the_same_bytes(case, workers, ahead, references, llama_dir, calib_file,
+                                                       tmp_path, monkeypatch):  # fmt: skip
+    """Fewer weights in flight than a fused group has members (q/k/v: 3, with o_proj between k and q in
+    plan order) still writes every tensor, and more in flight changes no byte."""
+    monkeypatch.setattr(quantize_stream, "stream_workers", lambda: workers)
+    monkeypatch.setattr(quantize_stream, "WEIGHTS_AHEAD", ahead)
+    _quantize(llama_dir, tmp_path / "q", case, calib_file)
+    assert directory_files(tmp_path / "q") == directory_files(references[case])
+
+
 def test_kill_9_then_cli_resume(references, llama_dir, tmp_path):
     """A real SIGKILL of the process right after shard 2 is recorded, then `mixprec quantize --resume`."""
     out = tmp_path / "q"

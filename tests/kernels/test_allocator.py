@@ -116,3 +116,34 @@ def test_free_memory_goes_back_to_the_kernel_between_blocks():
     env = {**os.environ, allocator.ENV_VAR: "default"}
     out = subprocess.run([sys.executable, "-c", _TRIM], capture_output=True, text=True, check=True, env=env)
     assert float(out.stdout) > 150  # MiB of the 200 freed
+
+
+class _RecordingLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+
+def test_large_blocks_go_back_while_streaming_and_the_threshold_is_left_at_its_largest(monkeypatch):
+    """Within large_blocks_returned (the streaming quantize) glibc's mmap threshold is fixed at 4 MiB; after
+    it, at 32 MiB; nothing is set where freed memory is kept, or off glibc."""
+    libc = _RecordingLibc()
+    monkeypatch.setattr(allocator, "_glibc", lambda: libc)
+    monkeypatch.setattr(allocator, "_state", [])
+    with allocator.large_blocks_returned():
+        assert libc.calls == [(allocator._M_MMAP_THRESHOLD, 4 << 20)]
+    assert libc.calls[-1] == (allocator._M_MMAP_THRESHOLD, 32 << 20)
+    with pytest.raises(RuntimeError), allocator.large_blocks_returned():  # restored on an error too
+        raise RuntimeError("stream failed")
+    assert libc.calls[-1] == (allocator._M_MMAP_THRESHOLD, 32 << 20) and len(libc.calls) == 4
+    monkeypatch.setattr(allocator, "_state", [allocator._KEPT])
+    with allocator.large_blocks_returned():
+        pass
+    monkeypatch.setattr(allocator, "_glibc", lambda: None)
+    monkeypatch.setattr(allocator, "_state", [])
+    with allocator.large_blocks_returned():
+        pass
+    assert len(libc.calls) == 4

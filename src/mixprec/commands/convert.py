@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from mixprec.inference.checkpoint.direct_file import direct_writes_enabled
 from mixprec.inference.checkpoint.layout import CONVERT_LAYOUTS
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
 from mixprec.inference.producers.convert import convert_checkpoint
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    direct_writes_enabled()  # a bad $MIXPREC_DIRECT_WRITES fails here, before any work
     summary = convert_checkpoint(
         args.input,
         args.output,

@@ -15,6 +15,7 @@ from mixprec.evaluation.runner import evaluate
 from mixprec.formats import E4M3, get_format
 from mixprec.inference.calibration.observers import OBSERVERS
 from mixprec.inference.calibration.run import DEFAULT_MIN_TOKENS, DEFAULT_TOLERANCE, DEFAULT_WINDOW, StopRule
+from mixprec.inference.checkpoint.direct_file import direct_writes_enabled
 from mixprec.inference.checkpoint.layout import LAYOUTS
 from mixprec.inference.checkpoint.publish import DEFAULT_MAX_SHARD_SIZE
 from mixprec.inference.producers.quantize import quantize_checkpoint
@@ -234,6 +235,7 @@ def run_auto(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    direct_writes_enabled()  # a bad $MIXPREC_DIRECT_WRITES fails here, before any work
     if get_format(args.dtype) is not E4M3:
         raise MixprecError(f"--dtype {args.dtype}: only fp8_e4m3 is written for inference checkpoints")
     auto = args.scheme.strip().lower() == "auto"

@@ -21,6 +21,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.files import check_new_output
+from mixprec.inference.checkpoint.direct_file import ShardFile
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
@@ -386,23 +388,28 @@ class PlannedShardWriter:
         """Close the open shard and report it."""
         f, self._file = self._file, None
         f.close()
-        if self._on_shard is not None:
-            self._on_shard(self._shard, self.out_dir / self.names[self._shard], self._hash.hexdigest())
+        if self._hash is not None:
+            digest, self._hash = self._hash.finish(), None
+            self._on_shard(self._shard, self.out_dir / self.names[self._shard], digest)
 
     def _open_shard(self, i: int) -> None:
         if self._file is not None:
             self._finish_shard()
         raw = shard_header(self.shards[i], self.metadata)
-        self._file = open(self.out_dir / self.names[i], "wb")  # noqa: SIM115 - closed in _finish_shard/abort
+        self._file = ShardFile(self.out_dir / self.names[i])  # closed in _finish_shard / abort
         self._shard = i
-        self._hash = hashlib.sha256() if self._on_shard is not None else None
+        self._hash = _ShardHash() if self._on_shard is not None else None
         self._emit(struct.pack("<Q", len(raw)))
         self._emit(raw)
 
     def _emit(self, data) -> None:
-        self._file.write(data)
-        if self._hash is not None:
-            self._hash.update(data)  # releases the GIL for large buffers: the workers go on meanwhile
+        view = memoryview(data).cast("B")
+        # the shard's sha256 on the hashing thread while this one writes the same bytes (both release
+        # the GIL); the hash has seen them before `data` is handed back to its owner
+        hashed = self._hash.submit(view) if self._hash is not None else None
+        self._file.write(view)
+        if hashed is not None:
+            hashed.result()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._dropped:  # planned in a shard a resumed run already holds
@@ -455,8 +462,26 @@ class PlannedShardWriter:
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self._file.abort()
             self._file = None
+        if self._hash is not None:
+            self._hash.finish()
+            self._hash = None
+
+
+class _ShardHash:
+    """A shard's sha256, computed on a thread of its own from the bytes given, in order."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixprec-shard-hash")
+
+    def submit(self, data: memoryview) -> Future:
+        return self._thread.submit(self._sha.update, data)
+
+    def finish(self) -> str:
+        self._thread.shutdown(wait=True)
+        return self._sha.hexdigest()
 
 
 def index_text(weight_map: dict[str, str], total_size: int) -> str | None:

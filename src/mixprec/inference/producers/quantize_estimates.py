@@ -6,8 +6,9 @@ what the code holds today (docs/quantize.md, "Plan before you run"):
 
 - streaming (calibration-free schemes, and the writing stage of every path): the process baseline +
   the read buffers (workers x the largest fused group x the largest Linear weight) + the payload
-  buffers ((workers + largest group) x the largest payload) + each worker's quantize temporaries
-  (measured by the probe) + the copy buffer.
+  buffers ((workers + largest group) x the largest payload) + the packed 4-bit results waiting for the
+  writer ((workers + 1) x the largest) + each worker's quantize temporaries (measured by the probe) +
+  the copy buffer + the writer's staging buffer.
 - layer by layer (calibration with --layer-by-layer, and always with GPTQ): the baseline + the embedding
   rows the calibration tokens use (at most tokens x hidden; the head and final norm are never read) + the
   largest block's weights + the calibration hidden states (samples x seq_len x hidden in the model dtype,
@@ -22,25 +23,40 @@ what the code holds today (docs/quantize.md, "Plan before you run"):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import statistics
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mixprec.inference.algorithms.gptq import gptq_quantize
+from mixprec.inference.checkpoint.direct_file import STAGING_BYTES, direct_writes_enabled
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 
+PROBE_ROUNDS = 2  # timed rounds of the quantize probe (after one warm-up round); the median call counts
 GEMM_PROBE_ROWS = 512  # rows of the timed GEMM (tokens of one calibration sequence)
 GPTQ_PROBE_INPUTS = 512  # inputs of the scaled-down GPTQ probe (its rule: estimate_gptq_seconds)
 # Disk speeds, assumed: a plan reads no shard body and writes nothing, so it cannot time them. On the
-# project's 2-CPU machine (2026-12-05) writing ran at 325-360 MB/s (dd with 16 MiB blocks; quantize's
-# own writes, profiled: 7.8 s for 2.54 GB) and dominated streaming; reading a recently written
-# checkpoint (page cache) at 10 GB/s, which a 140 GB input will not enjoy: 2 GB/s is assumed.
-READ_BYTES_PER_SECOND = 2e9
-WRITE_BYTES_PER_SECOND = 330e6
+# project's 2-CPU machine (2026-12-05) buffered writing ran at 325-360 MB/s (dd with 16 MiB blocks;
+# quantize's own writes, profiled: 7.8 s for 2.54 GB); writes around the page cache
+# (checkpoint/direct_file.py, 2026-12-07) at 1.33-1.69 GB/s (bench/write_speed.py).
+WRITE_BYTES_PER_SECOND = 1.5e9  # shards written with O_DIRECT
+BUFFERED_WRITE_BYTES_PER_SECOND = 330e6  # through the page cache (O_DIRECT switched off)
+# Tensors kept unchanged (embeddings, head, norms) are read, checked for NaN/inf and written by the
+# writer's thread, 16 MiB at a time: an assumed 1 GB/s for the read and the check (fitted to the runs
+# of docs/benchmarks.md, "Direct shard writes"; their write is in the write term). The workers' reads
+# of the Linear weights overlap their compute and are not counted.
+KEPT_BYTES_PER_SECOND = 1e9
+
+
+def write_bytes_per_second() -> float:
+    """The assumed write speed of this process's shard files."""
+    return WRITE_BYTES_PER_SECOND if direct_writes_enabled() else BUFFERED_WRITE_BYTES_PER_SECOND
 
 
 @dataclass(frozen=True)
@@ -121,17 +137,39 @@ class QuantizeProbe:
         return self.seconds / max(1, math.prod(self.shape))
 
 
-def probe_quantize(shape: tuple[int, int], dtype: torch.dtype, scheme: InferenceScheme) -> QuantizeProbe:
+def probe_quantize(
+    shape: tuple[int, int], dtype: torch.dtype, scheme: InferenceScheme, workers: int = 1
+) -> QuantizeProbe:
+    """`workers` quantizes of one random weight at once, each on a thread with one intra-op thread, as the
+    streaming workers run (they slow each other: 1.2x (FP8) to 1.4x (NVFP4) a lone one's time on the
+    project's 2-CPU machine): the median call's seconds after a warm-up, and the peak RSS rise per worker."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
-    payload = torch.zeros(math.prod(shape), dtype=torch.uint8)  # touched, as a reused buffer is
-    # the payload view the streaming tasks quantize into (quantize_stream / quantize_blocks)
-    data = payload.view(scheme.fmt.torch_dtype if scheme.fmt.bits == 8 else torch.uint8).view(shape)
-    with _threads(1), _peak_rise() as rise:
+    # the payload views the streaming tasks quantize into (quantize_stream / quantize_blocks), touched
+    # as a reused buffer is
+    payload_dtype = scheme.fmt.torch_dtype if scheme.fmt.bits == 8 else torch.uint8
+    outs = [
+        torch.zeros(math.prod(shape), dtype=torch.uint8).view(payload_dtype).view(shape)
+        for _ in range(workers)
+    ]
+
+    def one(out: torch.Tensor) -> float:
         start = time.perf_counter()
-        quantize_weight(w, scheme, name="probe", out=data)
-        seconds = time.perf_counter() - start
-    return QuantizeProbe(tuple(shape), seconds, rise[0])
+        quantize_weight(w, scheme, name="probe", out=out)
+        return time.perf_counter() - start
+
+    with _threads(1), _peak_rise() as rise, ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, outs))  # warm-up: the first calls also allocate and fault in their buffers
+        seconds = [t for _ in range(PROBE_ROUNDS) for t in pool.map(one, outs)]
+    return QuantizeProbe(tuple(shape), statistics.median(seconds), rise[0] // workers)
+
+
+def probe_hash_rate(nbytes: int = 16 << 20) -> float:
+    """Bytes per second of sha256 on this CPU (the writer hashes every shard as it writes it)."""
+    data = bytes(nbytes)
+    start = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return nbytes / max(time.perf_counter() - start, 1e-9)
 
 
 def probe_gemm_rate(shape: tuple[int, int], threads: int | None = None) -> float:
@@ -200,21 +238,26 @@ class Shapes:
     total_bytes: int
     largest_weight_bytes: int  # of the quantized Linears (a read buffer)
     largest_payload_bytes: int  # the payload buffer a streaming task quantizes into
+    largest_packed_bytes: int  # a 4-bit weight's packed payload and block scales (0 without 4-bit schemes)
     largest_group: int  # weights one streaming task reads at once (NVFP4's fused q/k/v: 3)
     workers: int
 
 
 def stream_memory(s: Shapes, baseline: int, probe: QuantizeProbe | None, copy_chunk: int) -> dict[str, float]:
-    """The streaming stage's terms (quantize_stream: buffers pooled, at most workers + 1 weights in flight)."""
+    """The streaming stage's terms (quantize_stream: buffers pooled, at most workers + 1 weights in flight;
+    an NVFP4 fused group is read at once by one task)."""
     reads = min(s.workers * s.largest_group, s.workers + s.largest_group)
+    payloads = s.workers + s.largest_group
     return {
         "process baseline": baseline,
         f"read buffers: {reads} x the largest Linear weight": reads * s.largest_weight_bytes,
-        f"payload buffers: {s.workers + s.largest_group} x the largest payload": (s.workers + s.largest_group)
-        * s.largest_payload_bytes,
+        f"payload buffers: {payloads} x the largest payload": payloads * s.largest_payload_bytes,
+        f"packed 4-bit results waiting for the writer: {s.workers + 1} x the largest": (s.workers + 1)
+        * s.largest_packed_bytes,
         f"quantize temporaries: {s.workers} workers x the probe's": s.workers
         * (probe.temporary_bytes if probe else 0),
         "copy buffer": copy_chunk,
+        "the writer's staging buffer (direct writes)": STAGING_BYTES,
     }
 
 
@@ -277,7 +320,7 @@ def forward_seconds(s: Shapes, tokens: int, seq_len: int, rate: float, passes: i
 
 
 __all__ = [
-    "READ_BYTES_PER_SECOND",
+    "KEPT_BYTES_PER_SECOND",
     "WRITE_BYTES_PER_SECOND",
     "Estimate",
     "GptqMemory",
@@ -290,7 +333,9 @@ __all__ = [
     "layerwise_memory",
     "probe_gemm_rate",
     "probe_gptq",
+    "probe_hash_rate",
     "probe_quantize",
     "stream_memory",
     "whole_model_memory",
+    "write_bytes_per_second",
 ]

@@ -250,6 +250,9 @@ def _shapes(job: QuantizeJob, source: Source, selection: Selection) -> est.Shape
     sizes = {n: ckpt.tensors[f"{n}.weight"].nbytes for n in targets}
     payload = max((math.prod(d) for d in targets.values()), default=0)  # the pool's buffer: out x in bytes
     groups, _ = nvfp4_groups(ckpt, targets, selection.schemes)
+    # a 4-bit weight's packed payload (2 codes a byte) and its block scales (one byte per 16 or 32)
+    packed = max((math.prod(d) // 2 + math.prod(d) // selection.schemes[n].weight_granularity.block_cols
+                  for n, d in targets.items() if selection.schemes[n].fmt.bits == 4), default=0)  # fmt: skip
     linear = [n for n in selection.lw.linears if n in targets or n in selection.kept]
     per_block = [sum(math.prod(selection.lw.linears[n]) for n in linear if n.startswith(b)) for b in blocks]
     dtype = next((ckpt.tensors[f"{n}.weight"].dtype for n in targets), torch.bfloat16)
@@ -259,7 +262,7 @@ def _shapes(job: QuantizeJob, source: Source, selection: Selection) -> est.Shape
         outside_bytes=sum(ckpt.tensors[n].nbytes for n in outside),
         block_bytes=max((sum(ckpt.tensors[n].nbytes for n in b) for b in blocks.values()), default=0),
         block_linear_params=max(per_block, default=0), total_bytes=ckpt.total_bytes,
-        largest_weight_bytes=max(sizes.values(), default=0), largest_payload_bytes=payload,
+        largest_weight_bytes=max(sizes.values(), default=0), largest_payload_bytes=payload, largest_packed_bytes=packed,
         largest_group=max((len(g) for g in groups.values()), default=1), workers=stream_workers(),
     )  # fmt: skip
 

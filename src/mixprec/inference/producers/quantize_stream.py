@@ -36,12 +36,15 @@ from mixprec.inference.producers.quantize_blocks import (
     quantize_group_task,
 )
 from mixprec.inference.schemes import InferenceScheme, check_finite, quantize_weight
+from mixprec.kernels import allocator
 from mixprec.progress import progress_bar
 from mixprec.quantization import QuantizationStats
 from mixprec.scaling import QuantizedTensor, compute_scale
 
 # Bytes of a tensor written unchanged that are read, checked and written at a time.
 COPY_CHUNK_BYTES = 16 << 20
+# Weights submitted for quantizing beyond one per worker: the next is read while one is written.
+WEIGHTS_AHEAD = 1
 
 
 def stream_workers() -> int:
@@ -97,6 +100,7 @@ def stream_tensors(
     queue = None
     try:
         with (
+            allocator.large_blocks_returned(),
             ShardReader() as reader,
             ThreadPoolExecutor(max_workers=workers) as pool,
             progress_bar(progress, title, len(ckpt.tensors)) as advance,
@@ -104,7 +108,8 @@ def stream_tensors(
             queue = _TaskQueue(
                 ckpt, plan, reader, pool, _BufferPool(weight_bytes), _BufferPool(payload_elems)
             )
-            queue.fill(depth=workers + 1)  # quantize tasks in flight
+            depth = workers + WEIGHTS_AHEAD  # weights in flight (a fused group's task counts its members)
+            queue.fill(depth)
             while queue.pending:
                 info, module, fut = queue.pending.popleft()
                 if fut is _DONE:
@@ -113,14 +118,14 @@ def stream_tensors(
                 elif fut is None:
                     _copy_through(reader, writer, info, chunk)
                 else:
-                    queue.in_flight -= 1
                     out, entry, payload = fut.result()[module]
                     for name, tensor in out:
                         writer.write(name, tensor)
                     if payload is not None:
                         queue.out_pool.release(payload)
                     layers[module] = entry
-                    queue.fill(depth=workers + 1)
+                    queue.written(fut)
+                queue.fill(depth)
                 report.weight_bytes_before += info.stored_nbytes
                 advance()
     except BaseException:
@@ -147,9 +152,10 @@ def record_layers(ckpt: Checkpoint, plan: StreamPlan, layers: dict[str, dict[str
 
 class _TaskQueue:
     """The input tensors in plan order, each with its quantize task (a future) when it is a target
-    Linear's weight: submitted ahead of the writer, at most `depth` weights in flight. The NVFP4 shards
-    of a fused GEMM share one task (a future per group, submitted at its first member): each weight is
-    read once, the group's amax giving the shared global scale."""
+    Linear's weight: submitted ahead of the writer, at most `depth` weights in flight (submitted, their
+    outputs not yet written), and always enough for the writer to have something to wait for. The NVFP4
+    shards of a fused GEMM share one task (a future per group, submitted at its first member): each
+    weight is read once, the group's amax giving the shared global scale."""
 
     def __init__(self, ckpt: Checkpoint, plan: StreamPlan, reader: ShardReader, pool: ThreadPoolExecutor,
                  in_pool: _BufferPool, out_pool: _BufferPool) -> None:  # fmt: skip
@@ -158,7 +164,8 @@ class _TaskQueue:
         self.plan, self.reader, self.pool = plan, reader, pool
         self.in_pool, self.out_pool = in_pool, out_pool
         self.pending: deque[tuple[Any, str | None, Future | None]] = deque()
-        self.in_flight = 0
+        # tasks in flight: {future: its weights whose outputs are still to be written}
+        self.unwritten: dict[Future, int] = {}
         # NVFP4 groups submitted whose later members are still to come: [the future, members to come].
         # A group leaves once its last member is queued: the future's results (each member's packed
         # payload, scales) then live only as long as the writer needs them, not to the end of the run.
@@ -183,7 +190,7 @@ class _TaskQueue:
                     p.layout, p.input_amax.get(module), p.prequantized[module], self.in_pool,
                 )  # fmt: skip
                 self.pending.append((info, module, fut))
-                self.in_flight += 1
+                self.unwritten[fut] = 1
                 return True
             group = p.nvfp4_groups.get(module)
             if group in self.groups:  # a later shard of a group already submitted
@@ -210,13 +217,21 @@ class _TaskQueue:
                 )  # fmt: skip
             self.pending.append((info, module, fut))
             # the members this process writes (a resumed run may hold the first ones already)
-            self.in_flight += sum(p.reads(f"{m}.weight") for m in group) if group is not None else 1
+            self.unwritten[fut] = sum(p.reads(f"{m}.weight") for m in group) if group is not None else 1
             return True
         return False
 
     def fill(self, depth: int) -> None:
-        while self.in_flight < depth and self._submit():
+        # a group counts all of its members, some of which may come after other tensors in plan order:
+        # with nothing queued for the writer, the next task is submitted whatever the depth
+        while (sum(self.unwritten.values()) < depth or not self.pending) and self._submit():
             pass
+
+    def written(self, fut: Future) -> None:
+        """One weight of task `fut` written: the task leaves once all of its weights are."""
+        self.unwritten[fut] -= 1
+        if not self.unwritten[fut]:
+            del self.unwritten[fut]
 
     def cancel(self) -> None:
         """Let running tasks finish before their buffers go away."""

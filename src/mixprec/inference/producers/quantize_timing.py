@@ -2,10 +2,12 @@
 of the checkpoint's real shapes, times the counts of the work the run does (quantize_estimates.py has
 the probes and the memory formulas).
 
-- streaming: every quantized weight element at the probe's seconds per element (one thread, as a
-  streaming worker runs) divided by the workers, plus the bytes read and written at an assumed copy
-  speeds (READ_ / WRITE_BYTES_PER_SECOND: the plan reads no shard body and writes nothing, so it
-  cannot time them);
+- streaming: every quantized weight element at the probe's seconds per element (the workers' count
+  of quantizes at once, one thread each, as the streaming workers run) plus the sha256 of every byte
+  written (the writer hashes each shard on a thread of its own) at the probed rate, divided by the
+  workers; plus the bytes written, and the bytes kept unchanged (read and checked on the writer's
+  thread), at assumed speeds (write_bytes_per_second(), KEPT_BYTES_PER_SECOND: the plan reads no shard
+  body and writes nothing, so it cannot time them);
 - calibration: every block's forward over the calibration tokens (at most: samples x seq_len) at the
   GEMM probe's fp32 rate (twice with GPTQ's sequential re-run); the whole-model path adds the head;
 - GPTQ: the Hessians (2 x tokens x in^2 flops per input group), each Linear's solve by the scaled-down
@@ -32,6 +34,7 @@ class Probes:
     quantize: est.QuantizeProbe | None
     gemm_rate: float | None  # fp32 flops per second, all threads
     gptq: est.GptqProbe | None
+    hash_rate: float  # sha256 bytes per second, one thread
 
 
 def probes(job: QuantizeJob, s: est.Shapes, selection: Selection, path: str, ckpt: Checkpoint) -> Probes:
@@ -41,14 +44,14 @@ def probes(job: QuantizeJob, s: est.Shapes, selection: Selection, path: str, ckp
     if targets:
         name = max(targets, key=lambda n: math.prod(targets[n]))
         dtype = ckpt.tensors[f"{name}.weight"].dtype
-        quantize = est.probe_quantize(targets[name], dtype, selection.schemes[name])
+        quantize = est.probe_quantize(targets[name], dtype, selection.schemes[name], s.workers)
     if path in (LAYER_BY_LAYER, WHOLE_MODEL) or job.algorithm.uses_gptq:
         shape = max(targets.values(), key=math.prod) if targets else (s.intermediate or 1, s.hidden or 1)
         rate = est.probe_gemm_rate(shape)
     if job.algorithm.uses_gptq and targets:
         name = max(targets, key=lambda n: targets[n][0])
         gptq = est.probe_gptq(targets[name][0], selection.schemes[name], rate)
-    return Probes(quantize, rate, gptq)
+    return Probes(quantize, rate, gptq, est.probe_hash_rate())
 
 
 def stage_seconds(job: QuantizeJob, s: est.Shapes, selection: Selection, path: str, p: Probes,
@@ -58,16 +61,7 @@ def stage_seconds(job: QuantizeJob, s: est.Shapes, selection: Selection, path: s
     elements = sum(math.prod(d) for d in targets.values())
     terms: dict[str, float] = {"start-up (process start, imports)": startup}
     notes = []
-    if p.quantize is not None:
-        per = p.quantize.seconds_per_element
-        terms[f"quantize: {elements:,} weight elements x {per * 1e9:.2f} ns (probe, one thread) / {s.workers} "
-              "workers"] = elements * per / s.workers  # fmt: skip
-    terms[f"read {s.total_bytes / 1e9:.2f} GB at an assumed {est.READ_BYTES_PER_SECOND / 1e9:.1f} GB/s"] = (
-        s.total_bytes / est.READ_BYTES_PER_SECOND
-    )
-    terms[f"write {output_bytes / 1e9:.2f} GB at an assumed {est.WRITE_BYTES_PER_SECOND / 1e6:.0f} MB/s"] = (
-        output_bytes / est.WRITE_BYTES_PER_SECOND
-    )
+    terms.update(_streaming_terms(s, elements, output_bytes, p))
     if path in (LAYER_BY_LAYER, WHOLE_MODEL) and p.gemm_rate:
         tokens = job.calib_samples * job.calib_seq_len
         gptq = job.algorithm.uses_gptq
@@ -81,6 +75,25 @@ def stage_seconds(job: QuantizeJob, s: est.Shapes, selection: Selection, path: s
         if gptq:
             terms.update(_gptq_terms(selection, tokens, p))
     return est.Estimate(terms, "sum of the stages' terms (docs/quantize.md)", notes)
+
+
+def _streaming_terms(s: est.Shapes, elements: int, output_bytes: int, p: Probes) -> dict[str, float]:
+    """The streaming stage, as its threads share the CPUs: the workers' compute (quantize, and the shards'
+    sha256 on the writer's hashing thread) over the workers, then what the writer's own thread does
+    beside it: the direct writes (it waits for each) and the tensors kept unchanged, read and checked
+    there. The workers' reads of the Linear weights overlap the rest and are not counted. Measured
+    against runs on the project's 2-CPU machine: docs/benchmarks.md ("Direct shard writes")."""
+    per = p.quantize.seconds_per_element if p.quantize is not None else 0.0
+    speed = est.write_bytes_per_second()
+    kept = max(0, s.total_bytes - elements * s.act_bytes)
+    return {
+        f"quantize {elements:,} weight elements x {per * 1e9:.2f} ns (probe: {s.workers} at once, one thread "
+        f"each) + sha256 of {output_bytes / 1e9:.2f} GB at {p.hash_rate / 1e9:.2f} GB/s (probe), over "
+        f"{s.workers} workers": (elements * per + output_bytes / p.hash_rate) / s.workers,
+        f"write {output_bytes / 1e9:.2f} GB at an assumed {speed / 1e9:.2f} GB/s": output_bytes / speed,
+        f"read and check the {kept / 1e9:.2f} GB kept unchanged at an assumed "
+        f"{est.KEPT_BYTES_PER_SECOND / 1e9:.1f} GB/s": kept / est.KEPT_BYTES_PER_SECOND,
+    }  # fmt: skip
 
 
 def _vocab(selection: Selection) -> int:
