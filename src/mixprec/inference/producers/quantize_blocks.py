@@ -66,14 +66,24 @@ def _read_packed(reader: ShardReader, infos: list, in_pool, bufs: list[torch.Ten
     """The weights of `infos`, read one after another into as few pool buffers as they fit in (q/k/v
     share one buffer sized for the largest weight); the buffers taken are appended to `bufs` (for the
     caller to release, also when a read fails)."""
-    ws, used = [], in_pool.size
-    for info in infos:
-        if used + info.nbytes > in_pool.size:
+    ws = []
+    for info, (index, offset) in zip(infos, packed_layout([i.nbytes for i in infos], in_pool.size)):
+        if index == len(bufs):
             bufs.append(in_pool.get())
-            used = 0
-        ws.append(reader.get(info, out=bufs[-1][used:]))
-        used += -(-info.nbytes // _ALIGN) * _ALIGN
+        ws.append(reader.get(info, out=bufs[index][offset:]))
     return ws
+
+
+def packed_layout(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
+    """Where a group's weights go when read into buffers of `buffer_bytes` one after another: (buffer
+    index, byte offset) each. A plan counts the buffers a group task takes from this too."""
+    out, index, used = [], -1, buffer_bytes
+    for nbytes in sizes:
+        if used + nbytes > buffer_bytes:
+            index, used = index + 1, 0
+        out.append((index, used))
+        used += -(-nbytes // _ALIGN) * _ALIGN
+    return out
 
 
 # where the next weight of a shared read buffer starts: a multiple of this many bytes
@@ -139,4 +149,4 @@ def block_outputs(q: QuantizedTensor, stats: QuantizationStats, info, module: st
     return layer_tensors(module, q, sch, in_global), compact_entry(q, sch, stats, shape, in_global, in_amax)
 
 
-__all__ = ["block_outputs", "nvfp4_groups", "quantize_block_task", "quantize_group_task"]
+__all__ = ["block_outputs", "nvfp4_groups", "packed_layout", "quantize_block_task", "quantize_group_task"]

@@ -5,10 +5,10 @@ Each estimate is a sum of named terms (bytes or seconds) with its formula in wor
 what the code holds today (docs/quantize.md, "Plan before you run"):
 
 - streaming (calibration-free schemes, and the writing stage of every path): the process baseline +
-  the read buffers (workers x the largest fused group x the largest Linear weight) + the payload
-  buffers ((workers + largest group) x the largest payload) + the packed 4-bit results waiting for the
-  writer ((workers + 1) x the largest) + each worker's quantize temporaries (measured by the probe) +
-  the copy buffer + the writer's staging buffer.
+  the read buffers ((workers - 1 + the read buffers of one fused group's task) x the largest Linear
+  weight) + the payload buffers ((workers + largest group) x the largest payload) + the packed 4-bit
+  results waiting for the writer ((workers + 1) x the largest) + each worker's quantize temporaries
+  (measured by the probe) + the copy buffer + the writer's staging buffer.
 - layer by layer (calibration with --layer-by-layer, and always with GPTQ): the baseline + the embedding
   rows the calibration tokens use (at most tokens x hidden; the head and final norm are never read) + the
   largest block's weights + the calibration hidden states (samples x seq_len x hidden in the model dtype,
@@ -240,13 +240,14 @@ class Shapes:
     largest_payload_bytes: int  # the payload buffer a streaming task quantizes into
     largest_packed_bytes: int  # a 4-bit weight's packed payload and block scales (0 without 4-bit schemes)
     largest_group: int  # weights one streaming task reads at once (NVFP4's fused q/k/v: 3)
+    group_buffers: int  # read buffers one such task takes (q/k/v may share one; gate/up: 2)
     workers: int
 
 
 def stream_memory(s: Shapes, baseline: int, probe: QuantizeProbe | None, copy_chunk: int) -> dict[str, float]:
     """The streaming stage's terms (quantize_stream: buffers pooled, at most workers + 1 weights in flight;
     an NVFP4 fused group is read at once by one task)."""
-    reads = min(s.workers * s.largest_group, s.workers + s.largest_group)
+    reads = s.workers - 1 + s.group_buffers  # a group task's buffers, one for each other worker
     payloads = s.workers + s.largest_group
     return {
         "process baseline": baseline,
