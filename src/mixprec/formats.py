@@ -511,9 +511,10 @@ def decode(payload: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     return payload.float()
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit codes (uint8, one per byte, last dim even) packed two per byte: element 2i in the low
-    nibble, 2i+1 in the high one (the FP4 layout of compressed-tensors, ModelOpt and vLLM)."""
+    nibble, 2i+1 in the high one (the FP4 layout of compressed-tensors, ModelOpt and vLLM). out: a
+    uint8 tensor of the packed shape to write into (a view of a larger buffer, say); returned."""
     if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
         raise MixprecError(
             f"pack_nibbles takes uint8 codes with an even last dim, got {codes.dtype} {tuple(codes.shape)}"
@@ -521,9 +522,17 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     if sys.byteorder == "little" and codes.is_contiguous():
         # a pair read as one int16 (element 2i in the low byte): half the elements, no strided pairs
         v = codes.view(torch.int16)
-        return torch.bitwise_right_shift(v, 4).bitwise_and_(0xF0).bitwise_or_(v.bitwise_and(0x0F)).to(torch.uint8)  # fmt: skip
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return (pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)
+        packed = torch.bitwise_right_shift(v, 4).bitwise_and_(0xF0).bitwise_or_(v.bitwise_and(0x0F))
+    else:
+        pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+        packed = (pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)
+    if out is None:
+        return packed.to(torch.uint8)
+    if out.dtype != torch.uint8 or out.shape != packed.shape:
+        raise MixprecError(
+            f"pack_nibbles: out must be uint8 {tuple(packed.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
+    return out.copy_(packed)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,15 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import Format, cast_to_format, check_float_tensor, encode_inplace, get_format, raise_if
+from mixprec.formats import (
+    Format,
+    cast_to_format,
+    check_float_tensor,
+    encode_inplace,
+    get_format,
+    pack_nibbles,
+    raise_if,
+)
 from mixprec.kernels import compiled, tiled
 from mixprec.kernels.codes import encode_codes_into
 from mixprec.kernels.native import triton_usable, triton_version
@@ -227,12 +235,7 @@ def _quantize(
         raise MixprecError("given E4M3 block scales need the global scale they are in units of")
     if scale is not None:
         scale = _given_scale(scale, x2, g, validate_scale)
-    if out is not None and (
-        out.dtype != (fmt.torch_dtype or torch.uint8) or out.shape != x2.shape or not out.is_contiguous()
-    ):
-        raise MixprecError(
-            f"out must be a contiguous {fmt.torch_dtype or torch.uint8} tensor of shape {tuple(x2.shape)}"
-        )
+    packed = _packed_out(out, x2, fmt)
     has_nan = tile_stats = None
     if g.scale_format == "e4m3" and backend == "eager":  # eager and tiled take it (see _unavailable)
         data, scale, gscale = _eager_global(x2, fmt, g, scale, gscale, validate_scale, key)
@@ -262,8 +265,8 @@ def _quantize(
     if has_nan is not None:  # formats without a NaN code (an in-graph assertion if traced)
         raise_if(has_nan, f"cannot encode NaN in {fmt.name}: the format has no NaN code")
     if out is not None and data is not out:
-        data = out.copy_(data)
-    q = QuantizedTensor(data, scale, fmt, g, x.shape, gscale)
+        data = pack_nibbles(data, out=out) if packed else out.copy_(data)
+    q = QuantizedTensor(data, scale, fmt, g, x.shape, gscale, packed)
     if not stats:
         return q, None
     if tile_stats is not None:
@@ -271,6 +274,20 @@ def _quantize(
     if g.scale_format == "e4m3":  # NVFP4 on the eager backend: the fp32 form, without fp64 copies
         return q, _stats_fp32(x2, q)
     return q, _stats_of(x2, q)
+
+
+def _packed_out(out: torch.Tensor | None, x2: torch.Tensor, fmt: Format) -> bool:
+    """Whether `out` takes the payload packed (4-bit codes two a byte) rather than one per element;
+    MixprecError when it is neither shape, not contiguous or of another dtype."""
+    if out is None:
+        return False
+    dtype = fmt.torch_dtype or torch.uint8
+    rows, cols = x2.shape
+    packed = fmt.bits == 4 and cols % 2 == 0 and tuple(out.shape) == (rows, cols // 2)
+    if out.dtype != dtype or not out.is_contiguous() or not (packed or out.shape == x2.shape):
+        also = f" (or {(rows, cols // 2)}, packed two a byte)" if fmt.bits == 4 and cols % 2 == 0 else ""
+        raise MixprecError(f"out must be a contiguous {dtype} tensor of shape {tuple(x2.shape)}{also}")
+    return packed
 
 
 def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:

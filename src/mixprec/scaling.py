@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import E4M3, E8M0, Format, decode, encode, get_format, pow2
+from mixprec.formats import E4M3, E8M0, Format, decode, encode, get_format, pow2, unpack_nibbles
 
 _FP32_TINY = torch.finfo(torch.float32).tiny
 SCALE_FORMATS = ("fp32", "e8m0", "e4m3")
@@ -411,6 +411,9 @@ class QuantizedTensor:
     granularity: Granularity
     shape: torch.Size  # the original shape
     global_scale: torch.Tensor | None = None  # fp32, one element; E4M3 scale formats only
+    # 4-bit formats: data is uint8 [R, C / 2], two codes a byte (formats.pack_nibbles' layout), as a
+    # quantize into a packed `out` writes it (streaming quantization: no byte-per-code copy)
+    packed: bool = False
 
     def effective_scale(self) -> torch.Tensor:
         """The dequantization multiplier per block: scale, or scale / global_scale (fp32)."""
@@ -418,8 +421,12 @@ class QuantizedTensor:
             return self.scale
         return self.scale / self.global_scale.float().reshape(1, 1)
 
+    def codes(self) -> torch.Tensor:
+        """The payload, one code (or float8 value) per element: data, unpacked where packed."""
+        return unpack_nibbles(self.data) if self.packed else self.data
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = decode(self.data, self.fmt)
+        values = decode(self.codes(), self.fmt)
         out = apply_blockwise(values, self.effective_scale(), self.granularity, torch.mul)
         return out.reshape(self.shape).to(dtype)
 

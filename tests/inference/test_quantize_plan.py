@@ -184,17 +184,17 @@ def test_disk_that_will_not_fit(llama_dir, tmp_path, capsys, monkeypatch):
 def test_streaming_memory_terms(header_only, tmp_path):
     """NVFP4 reads a fused GEMM's shards together (q/k/v: 3): q/k/v (2048 + 2 x 512 rows of 2048) share
     one buffer of the largest weight (5632 x 2048), gate/up take two, so the read buffers are workers - 1
-    + 2 of the largest weight; the payload buffers workers + 3 of its out x in bytes; the packed 4-bit
-    results waiting for the writer workers + 1 of out x in / 2 + its E4M3 scales (one per 16)."""
+    + 2 of the largest weight; the payload buffers workers + 3 of its out x in / 2 bytes (codes packed
+    two a byte), and as many of its E4M3 block scales (one per 16)."""
     plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", probe=False)
     workers = max(1, min(4, os.cpu_count() or 1))
     largest = 5632 * 2048
     terms = plan.memory.terms
     reads = workers + 1
     assert terms[f"read buffers: {reads} x the largest Linear weight"] == reads * largest * 2
-    assert terms[f"payload buffers: {workers + 3} x the largest payload"] == (workers + 3) * largest
-    packed = f"packed 4-bit results waiting for the writer: {workers + 1} x the largest"
-    assert terms[packed] == (workers + 1) * (largest // 2 + largest // 16)
+    assert terms[f"payload buffers: {workers + 3} x the largest payload"] == (workers + 3) * largest // 2
+    scales = f"4-bit block scales waiting for the writer: {workers + 3} x the largest"
+    assert terms[scales] == (workers + 3) * largest // 16
     assert terms["copy buffer"] == 16 << 20 and plan.time is None
     assert terms["the writer's staging buffer (direct writes)"] == 8 << 20
 

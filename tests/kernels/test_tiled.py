@@ -1,6 +1,7 @@
 """The tiled backend of the quantize entry gives the eager backend's payloads and scales bit for bit, with
 many tiles (column tiles for blocks) as with one, and the statistics it computes from the same pass
-(amax, relative error within 1e-5 relative of the float64 reference); FP4 (NVFP4 and MX blocks) likewise."""
+(amax, relative error within 1e-5 relative of the float64 reference); FP4 (NVFP4 and MX blocks) likewise,
+also with the codes packed two a byte into the caller's buffer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from mixprec.errors import MixprecError
-from mixprec.formats import decode_e4m3_unscaled_into
+from mixprec.formats import decode_e4m3_unscaled_into, pack_nibbles
 from mixprec.kernels import tiled
 from mixprec.quantization import quantize, quantize_with_stats
 from mixprec.scaling import Granularity
@@ -114,6 +115,33 @@ def test_fp4_blocks_bit_identical_to_the_eager_backend(monkeypatch, tile, g, dty
             want = float((ref.dequantize().double() - x).norm() / x.norm())
             assert stats.relative_error == pytest.approx(want, rel=2e-5)
             assert stats.amax == float(w.float().abs().max())
+
+
+@pytest.mark.parametrize("tile", [1 << 18, 300])  # 300: column tiles for the 16 x 16 blocks
+@pytest.mark.parametrize("g", NVFP4_AND_MX, ids=lambda g: g.name)
+@pytest.mark.parametrize("backend", ["tiled", "eager"])
+def test_fp4_codes_packed_into_a_half_size_out(monkeypatch, tile, g, backend):
+    """A uint8 [R, C / 2] out takes the codes packed two a byte: pack_nibbles of the unpacked payload,
+    bit for bit, the same scales and statistics; the packed tensor dequantizes as the unpacked one."""
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", tile)
+    for shape in [(130, 320), (3, 40)]:
+        w = _weight(shape, torch.bfloat16)
+        ref, ref_stats = quantize_with_stats(w, "e2m1", g, backend=backend)
+        out = torch.full((shape[0], shape[1] // 2), 0xAA, dtype=torch.uint8)
+        q, stats = quantize_with_stats(w, "e2m1", g, out=out, backend=backend)
+        assert q.packed and not ref.packed and q.data.data_ptr() == out.data_ptr()
+        assert torch.equal(q.data, pack_nibbles(ref.data)), shape
+        assert torch.equal(q.codes(), ref.data) and torch.equal(q.scale, ref.scale)
+        assert stats == ref_stats
+        assert torch.equal(q.dequantize(), ref.dequantize())
+
+
+def test_a_payload_out_of_neither_shape_is_refused():
+    w = torch.randn(4, 64)
+    for fmt, shape in [("e2m1", (4, 31)), ("e2m1", (2, 64)), ("e4m3", (4, 32))]:
+        dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.uint8
+        with pytest.raises(MixprecError, match="out must be a contiguous"):
+            quantize_with_stats(w, fmt, Granularity.mx(32), out=torch.empty(shape, dtype=dtype))
 
 
 def test_fp4_tiles_refuse_nan_and_saturate_infinities():

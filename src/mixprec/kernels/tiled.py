@@ -28,6 +28,7 @@ from mixprec.formats import (
     decode_e4m3_unscaled_into,
     decode_unscaled,
     encode_inplace,
+    pack_nibbles,
     raise_if,
 )
 from mixprec.kernels.codes import encode_codes_into
@@ -83,7 +84,9 @@ def quantize_tiled(
     """(payload, scale, (amax, relative error) if stats) of the 2-D CPU tensor x2, tile by tile.
 
     scale: a given scale on the grid (fp32), or None. out: a contiguous payload tensor of x2's shape
-    to write into (a buffer the caller reuses; default a new tensor). global_scale: E4M3 (NVFP4)
+    to write into (a buffer the caller reuses; default a new tensor), or for a 4-bit format a uint8
+    [rows, cols / 2] one that takes each tile's codes packed two a byte (formats.pack_nibbles: no
+    byte-per-code copy of the weight is ever made). global_scale: E4M3 (NVFP4)
     granularities only, the tensor's global scale (one fp32 element, computed or given by the
     caller): block scales are in its units, computed in x2's dtype where g.scale_math is "input".
     """
@@ -109,6 +112,7 @@ def quantize_tiled(
     gs = None if global_scale is None else global_scale.float().reshape(1, 1)
     rule = {"global_scale": gs, "dtype": x2.dtype} if gs is not None else {}
     data = out if out is not None else torch.empty((rows, cols), dtype=bufs.q.dtype)
+    packed = fmt.bits == 4 and tuple(data.shape) == (rows, cols // 2)
     err2 = ref2 = 0.0
     for r0 in range(0, rows, height):
         h = min(height, rows - r0)
@@ -130,10 +134,12 @@ def quantize_tiled(
             xv, yv, s = _scaled_views(x, bufs.y[: h * wd].view(h, wd), tile_scale if gs is None else tile_scale / gs, g)  # fmt: skip
             torch.div(xv, s, out=yv)  # a division, as every backend: bit-identical payloads
             y = bufs.y[: h * wd].view(h, wd)
-            whole_rows = wd == cols
-            q = data[r0 : r0 + h] if whole_rows else bufs.q[: h * wd].view(h, wd)
+            in_place = wd == cols and not packed  # whole rows of an unpacked payload: encoded in place
+            q = data[r0 : r0 + h] if in_place else bufs.q[: h * wd].view(h, wd)
             bufs.encode(y, q)
-            if not whole_rows:
+            if packed:
+                pack_nibbles(q, out=data[r0 : r0 + h, c0 // 2 : (c0 + wd) // 2])
+            elif not in_place:
                 data[r0 : r0 + h, c0 : c0 + wd].copy_(q)
             if stats:
                 t_ref, t_err = bufs.tile_error(xv, yv, q, s)

@@ -38,7 +38,7 @@ def layer_tensors(
     module: str, q: QuantizedTensor, scheme: InferenceScheme, input_global_scale: torch.Tensor | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors of one quantized Linear, in planned_tensors' order."""
-    payload = pack_nibbles(q.data) if q.fmt.bits == 4 else q.data
+    payload = pack_nibbles(q.data) if q.fmt.bits == 4 and not q.packed else q.data
     nv = q.granularity.scale_format == "e4m3"
     out = [(planned_tensors(module, tuple(q.shape), scheme)[0][0], payload)]
     out.append((f"{module}.{WEIGHT_SCALE}", q.scale_e4m3() if nv else q.scale_e8m0()))

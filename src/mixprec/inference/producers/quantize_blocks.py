@@ -132,13 +132,17 @@ def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=
         return (*block_outputs(q, rounding_stats(w, q), info, module, shape, sch, in_amax), None)
     payload = out_pool.get()
     dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
-    data = payload[: w.numel()].view(dtype).view(shape)
+    rows, cols = shape
+    # 4-bit codes go into the buffer packed, two a byte, as they are written (kernels/tiled.py)
+    data = payload[: payload_bytes(shape, sch)].view(dtype).view(rows, cols * sch.fmt.bits // 8)
     q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)
-    out, entry = block_outputs(q, stats, info, module, shape, sch, in_amax)
-    if sch.fmt.bits == 4:  # written packed, a new tensor: the codes' buffer serves the next weight now
-        out_pool.release(payload)
-        payload = None
-    return out, entry, payload
+    return (*block_outputs(q, stats, info, module, shape, sch, in_amax), payload)
+
+
+def payload_bytes(shape: tuple[int, int], sch: InferenceScheme) -> int:
+    """The bytes of a weight's payload as streaming writes it: one a code for 8-bit formats, half a
+    byte for 4-bit ones (packed). A streaming run's payload buffers are the largest of these."""
+    return math.prod(shape) * sch.fmt.bits // 8
 
 
 def block_outputs(q: QuantizedTensor, stats: QuantizationStats, info, module: str, shape: tuple[int, int],
@@ -149,4 +153,11 @@ def block_outputs(q: QuantizedTensor, stats: QuantizationStats, info, module: st
     return layer_tensors(module, q, sch, in_global), compact_entry(q, sch, stats, shape, in_global, in_amax)
 
 
-__all__ = ["block_outputs", "nvfp4_groups", "packed_layout", "quantize_block_task", "quantize_group_task"]
+__all__ = [
+    "block_outputs",
+    "nvfp4_groups",
+    "packed_layout",
+    "payload_bytes",
+    "quantize_block_task",
+    "quantize_group_task",
+]

@@ -6,9 +6,9 @@ what the code holds today (docs/quantize.md, "Plan before you run"):
 
 - streaming (calibration-free schemes, and the writing stage of every path): the process baseline +
   the read buffers ((workers - 1 + the read buffers of one fused group's task) x the largest Linear
-  weight) + the payload buffers ((workers + largest group) x the largest payload) + the packed 4-bit
-  results waiting for the writer ((workers + 1) x the largest) + each worker's quantize temporaries
-  (measured by the probe) + the copy buffer + the writer's staging buffer.
+  weight) + the payload buffers ((workers + largest group) x the largest payload, 4-bit ones packed two
+  codes a byte) + as many 4-bit block scales + each worker's quantize temporaries (measured by the
+  probe) + the copy buffer + the writer's staging buffer.
 - layer by layer (calibration with --layer-by-layer, and always with GPTQ): the baseline + the embedding
   rows the calibration tokens use (at most tokens x hidden; the head and final norm are never read) + the
   largest block's weights + the calibration hidden states (samples x seq_len x hidden in the model dtype,
@@ -237,8 +237,8 @@ class Shapes:
     block_linear_params: int  # the weights of one block's Linears (GEMM work per token / 2)
     total_bytes: int
     largest_weight_bytes: int  # of the quantized Linears (a read buffer)
-    largest_payload_bytes: int  # the payload buffer a streaming task quantizes into
-    largest_packed_bytes: int  # a 4-bit weight's packed payload and block scales (0 without 4-bit schemes)
+    largest_payload_bytes: int  # the payload buffer a streaming task quantizes into (4-bit: packed)
+    largest_block_scales_bytes: int  # a 4-bit weight's block scales (0 without 4-bit schemes)
     largest_group: int  # weights one streaming task reads at once (NVFP4's fused q/k/v: 3)
     group_buffers: int  # read buffers one such task takes (q/k/v may share one; gate/up: 2)
     workers: int
@@ -253,8 +253,8 @@ def stream_memory(s: Shapes, baseline: int, probe: QuantizeProbe | None, copy_ch
         "process baseline": baseline,
         f"read buffers: {reads} x the largest Linear weight": reads * s.largest_weight_bytes,
         f"payload buffers: {payloads} x the largest payload": payloads * s.largest_payload_bytes,
-        f"packed 4-bit results waiting for the writer: {s.workers + 1} x the largest": (s.workers + 1)
-        * s.largest_packed_bytes,
+        f"4-bit block scales waiting for the writer: {payloads} x the largest": payloads
+        * s.largest_block_scales_bytes,
         f"quantize temporaries: {s.workers} workers x the probe's": s.workers
         * (probe.temporary_bytes if probe else 0),
         "copy buffer": copy_chunk,

@@ -43,7 +43,7 @@ from mixprec.inference.checkpoint.safetensors_io import (
 from mixprec.inference.checkpoint.scales_file import SCALES_NAMES, build_document, layer_entry, scales_text
 from mixprec.inference.producers import quantize_estimates as est
 from mixprec.inference.producers.quantize import output_config, plan_tensors, select
-from mixprec.inference.producers.quantize_blocks import nvfp4_groups, packed_layout
+from mixprec.inference.producers.quantize_blocks import nvfp4_groups, packed_layout, payload_bytes
 from mixprec.inference.producers.quantize_calibration import Calibration, available_memory
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, open_source
 from mixprec.inference.producers.quantize_stream import COPY_CHUNK_BYTES, stream_workers
@@ -248,16 +248,16 @@ def _shapes(job: QuantizeJob, source: Source, selection: Selection) -> est.Shape
     blocks, outside = _blocks(ckpt, layers)
     targets = selection.targets
     sizes = {n: ckpt.tensors[f"{n}.weight"].nbytes for n in targets}
-    payload = max((math.prod(d) for d in targets.values()), default=0)  # the pool's buffer: out x in bytes
+    payload = max((payload_bytes(d, selection.schemes[n]) for n, d in targets.items()), default=0)
     groups, _ = nvfp4_groups(ckpt, targets, selection.schemes)
     largest = max(sizes.values(), default=0)
     # the read buffers one group task takes (q/k/v may share one: quantize_blocks.packed_layout)
     group_buffers = max(
         (packed_layout([sizes[m] for m in g], largest)[-1][0] + 1 for g in groups.values()), default=1
     )
-    # a 4-bit weight's packed payload (2 codes a byte) and its block scales (one byte per 16 or 32)
-    packed = max((math.prod(d) // 2 + math.prod(d) // selection.schemes[n].weight_granularity.block_cols
-                  for n, d in targets.items() if selection.schemes[n].fmt.bits == 4), default=0)  # fmt: skip
+    # a block-format weight's block scales (one byte per 16 or 32 elements), new tensors each
+    block_scales = max((math.prod(d) // selection.schemes[n].weight_granularity.block_cols
+                        for n, d in targets.items() if selection.schemes[n].fmt.bits == 4), default=0)  # fmt: skip
     linear = [n for n in selection.lw.linears if n in targets or n in selection.kept]
     per_block = [sum(math.prod(selection.lw.linears[n]) for n in linear if n.startswith(b)) for b in blocks]
     dtype = next((ckpt.tensors[f"{n}.weight"].dtype for n in targets), torch.bfloat16)
@@ -267,7 +267,7 @@ def _shapes(job: QuantizeJob, source: Source, selection: Selection) -> est.Shape
         outside_bytes=sum(ckpt.tensors[n].nbytes for n in outside),
         block_bytes=max((sum(ckpt.tensors[n].nbytes for n in b) for b in blocks.values()), default=0),
         block_linear_params=max(per_block, default=0), total_bytes=ckpt.total_bytes,
-        largest_weight_bytes=max(sizes.values(), default=0), largest_payload_bytes=payload, largest_packed_bytes=packed,
+        largest_weight_bytes=max(sizes.values(), default=0), largest_payload_bytes=payload, largest_block_scales_bytes=block_scales,
         largest_group=max((len(g) for g in groups.values()), default=1), group_buffers=group_buffers,
         workers=stream_workers(),
     )  # fmt: skip

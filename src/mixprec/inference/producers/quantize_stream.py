@@ -32,6 +32,7 @@ from mixprec.inference.checkpoint.safetensors_io import (
 from mixprec.inference.checkpoint.scales_file import layer_entry
 from mixprec.inference.producers.quantize_blocks import (
     block_outputs,
+    payload_bytes,
     quantize_block_task,
     quantize_group_task,
 )
@@ -92,7 +93,7 @@ def stream_tensors(
     them into the report)."""
     workers = stream_workers()
     weight_bytes = max((ckpt.tensors[f"{m}.weight"].nbytes for m in plan.targets), default=0)
-    payload_elems = max((o * i for o, i in plan.targets.values()), default=0)
+    payload = max((payload_bytes(d, plan.schemes[m]) for m, d in plan.targets.items()), default=0)
     chunk = torch.empty(COPY_CHUNK_BYTES, dtype=torch.uint8)
     title = f"quantizing ({'+'.join(dict.fromkeys(s.name for s in plan.schemes.values()))})"
     threads = torch.get_num_threads()
@@ -105,9 +106,7 @@ def stream_tensors(
             ThreadPoolExecutor(max_workers=workers) as pool,
             progress_bar(progress, title, len(ckpt.tensors)) as advance,
         ):
-            queue = _TaskQueue(
-                ckpt, plan, reader, pool, _BufferPool(weight_bytes), _BufferPool(payload_elems)
-            )
+            queue = _TaskQueue(ckpt, plan, reader, pool, _BufferPool(weight_bytes), _BufferPool(payload))
             depth = workers + WEIGHTS_AHEAD  # weights in flight (a fused group's task counts its members)
             queue.fill(depth)
             while queue.pending:
