@@ -16,8 +16,8 @@ tensors of the two outputs are compared byte for byte, and both outputs are dele
 `mixprec quantize --dry-run --json` gives the plan's peak-RSS and time estimates for each scheme. With
 --resume-check, an fp8-dynamic run is killed with SIGKILL half-way and resumed with --resume; the
 resumed output is compared file by file (sha256) with an uninterrupted run's.
-Every timed run starts after an os.sync() (not timed), so that no run pays for the writeback of the one
-before; "on disk" adds a timed os.sync() after it exits (its output written out, not only to the page
+Every timed run starts after an os.sync() and a read of the input (neither timed), so that no run pays
+for the writeback of the one before or reads an input another run pushed out of the page cache; "on disk" adds a timed os.sync() after it exits (its output written out, not only to the page
 cache). Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
 """
 
@@ -101,11 +101,17 @@ def tensors_of(directory: Path, modules: list[str]) -> dict[str, tuple[str, byte
     return out
 
 
-def measure(cmd: list[str], log: Path) -> tuple[float, int, float]:
+def measure(cmd: list[str], log: Path, model: Path) -> tuple[float, int, float]:
     """(wall seconds to exit, peak RSS, wall seconds until its output is on disk). Each run starts with
     no dirty pages (os.sync() first, not timed): otherwise a run pays for the writeback of the run
-    before it, and the kernel throttles its writes. On disk: the exit plus a timed os.sync()."""
+    before it, and the kernel throttles its writes. And with the input in the page cache (read through
+    once, not timed): a run after one that pushed it out would read it from the disk, the others not.
+    On disk: the exit plus a timed os.sync()."""
     os.sync()
+    for f in sorted(model.iterdir()):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
     seconds, code, peak = run_measured(cmd, log)
     if code != 0:
         raise SystemExit(f"failed ({code}): {' '.join(cmd[:6])}...\n{log.read_text()[-3000:]}")
@@ -122,17 +128,19 @@ def plan(model: Path, scheme: str, root: Path) -> dict:
 
 
 def one_round(model: Path, root: Path, llmc: str | None, workers: int) -> dict[str, tuple[float, int]]:
-    got = {"copy": measure([sys.executable, "-c", COPY, str(model), str(root / "copy")], root / "log.txt")}
+    got = {
+        "copy": measure([sys.executable, "-c", COPY, str(model), str(root / "copy")], root / "log.txt", model)
+    }
     shutil.rmtree(root / "copy")
     for scheme, llmc_scheme in SCHEMES.items():
         out = root / f"mixprec-{scheme}"
         cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
                "--scheme", scheme, "--quiet"]  # fmt: skip
-        got[f"mixprec {scheme}"] = measure(cmd, root / "log.txt")
+        got[f"mixprec {scheme}"] = measure(cmd, root / "log.txt", model)
         if llmc is not None:
             ref = root / f"llmc-{scheme}"
             got[f"llm-compressor {scheme}"] = measure([llmc, "-c", LLMC, str(model), str(ref), llmc_scheme,
-                                                       str(workers)], root / "log.txt")  # fmt: skip
+                                                       str(workers)], root / "log.txt", model)  # fmt: skip
             ours, theirs = tensors_of(out, COMPARED), tensors_of(ref, COMPARED)
             differ = [f"{k} (mixprec {ours[k][0]}, llm-compressor {theirs[k][0]})" if k in ours and k in theirs
                       else k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]  # fmt: skip
@@ -163,7 +171,7 @@ def kill_and_resume(model: Path, root: Path) -> dict:
     out = root / "resume-check"
     cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
            "--scheme", "fp8-dynamic", "--quiet"]  # fmt: skip
-    full, _, _ = measure(cmd, root / "log.txt")
+    full, _, _ = measure(cmd, root / "log.txt", model)
     reference = digest(out)
     shutil.rmtree(out)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -172,7 +180,7 @@ def kill_and_resume(model: Path, root: Path) -> dict:
     proc.wait()
     log = out.parent / f".{out.name}.partial" / "shards.jsonl"
     finished = len(log.read_text().splitlines()) if log.exists() else 0
-    resumed, _, _ = measure([*cmd, "--resume"], root / "log.txt")
+    resumed, _, _ = measure([*cmd, "--resume"], root / "log.txt", model)
     same = digest(out) == reference
     shutil.rmtree(out)
     return {"uninterrupted": full, "killed_at": full / 2, "finished_shards": finished, "resumed": resumed,

@@ -249,12 +249,16 @@ def stream_memory(s: Shapes, baseline: int, probe: QuantizeProbe | None, copy_ch
     an NVFP4 fused group is read at once by one task)."""
     reads = s.workers - 1 + s.group_buffers  # a group task's buffers, one for each other worker
     payloads = s.workers + s.largest_group
-    return {
+    terms = {
         "process baseline": baseline,
         f"read buffers: {reads} x the largest Linear weight": reads * s.largest_weight_bytes,
         f"payload buffers: {payloads} x the largest payload": payloads * s.largest_payload_bytes,
-        f"4-bit block scales waiting for the writer: {payloads} x the largest": payloads
-        * s.largest_block_scales_bytes,
+    }
+    if s.largest_block_scales_bytes:
+        terms[f"4-bit block scales waiting for the writer: {payloads} x the largest"] = (
+            payloads * s.largest_block_scales_bytes
+        )
+    return terms | {
         f"quantize temporaries: {s.workers} workers x the probe's": s.workers
         * (probe.temporary_bytes if probe else 0),
         "copy buffer": copy_chunk,
