@@ -46,12 +46,13 @@ def test_kept_freed_memory_spares_the_page_faults_of_each_new_buffer():
     if allocator._glibc() is None:
         pytest.skip("not glibc: " + kept_said)
     assert kept_said.startswith("freed memory kept")
-    # kept: the same pages again, at most one round's worth (4 x 2048 faults of 4 KiB pages) while the
-    # heap settles. glibc's defaults mostly trim the freed top of the heap, so each round's buffers are
-    # fresh pages (2048 faults per 8 MiB: 163k over the 20 rounds), but its dynamic mmap threshold
-    # sometimes keeps them after a round or two (16k faults in 3 runs of 8 on the AMX Xeon), so only the
-    # order between the two settings is asserted of the default
-    assert kept_faults <= 4 * 2048 + 256
+    # kept: the same pages again, at most two rounds' worth (4 x 2048 faults of 4 KiB pages a round)
+    # while the heap settles (one round, 8192, in 12 of 12 runs on the EPYC; 10240 once in a CI run).
+    # glibc's defaults mostly trim the freed top of the heap, so each round's buffers are fresh pages
+    # (2048 faults per 8 MiB: 163k over the 20 rounds), but its dynamic mmap threshold sometimes keeps
+    # them after a round or two (16k faults in 3 runs of 8 on the AMX Xeon), so only the order between
+    # the two settings is asserted of the default
+    assert kept_faults <= 2 * 4 * 2048 + 256
     assert default_faults > kept_faults
 
 
