@@ -106,7 +106,7 @@ def large_blocks_returned() -> Iterator[None]:
     """Within: glibc's mmap threshold fixed at 4 MiB, so that a freed block of 4 MiB or more goes back to
     the kernel at once; after: 32 MiB, the largest value glibc adapts it to. For the streaming quantize,
     whose peak memory is a promise: glibc's adaptive threshold grows with the first large blocks freed, and
-    later ones of up to 32 MiB (a packed 4-bit weight, its scales) stay in the heap, where the next
+    later ones of up to 32 MiB (a weight's block scales) stay in the heap, where the next
     weights' peak adds to them. Measured on 4 full-size Llama-3.1-8B blocks to nvfp4a16 (AVX-512 EPYC,
     2 runs each): peak RSS 873 and 874 MiB against 913 and 974 MiB, the wall time within the runs'
     scatter. A no-op off glibc and where keep_freed_memory() is in effect."""

@@ -131,10 +131,7 @@ def _quantize_read(w, info, module, shape, sch, in_amax, out_pool, global_scale=
         q = search_weight(w, sch.fmt, sch.weight_granularity, global_scale)
         return (*block_outputs(q, rounding_stats(w, q), info, module, shape, sch, in_amax), None)
     payload = out_pool.get()
-    dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
-    rows, cols = shape
-    # 4-bit codes go into the buffer packed, two a byte, as they are written (kernels/tiled.py)
-    data = payload[: payload_bytes(shape, sch)].view(dtype).view(rows, cols * sch.fmt.bits // 8)
+    data = payload_view(payload, shape, sch)
     q, stats = quantize_weight(w, sch, name=info.name, out=data, global_scale=global_scale)
     return (*block_outputs(q, stats, info, module, shape, sch, in_amax), payload)
 
@@ -143,6 +140,15 @@ def payload_bytes(shape: tuple[int, int], sch: InferenceScheme) -> int:
     """The bytes of a weight's payload as streaming writes it: one a code for 8-bit formats, half a
     byte for 4-bit ones (packed). A streaming run's payload buffers are the largest of these."""
     return math.prod(shape) * sch.fmt.bits // 8
+
+
+def payload_view(buffer: torch.Tensor, shape: tuple[int, int], sch: InferenceScheme) -> torch.Tensor:
+    """The payload a streaming weight is quantized into, from the start of a reused uint8 buffer: the
+    format's float8 dtype [rows, cols] for FP8; uint8 [rows, cols / 2] for 4-bit codes, packed two a byte
+    as they are quantized (kernels/tiled.py) and written."""
+    rows, cols = shape
+    dtype = sch.fmt.torch_dtype if sch.fmt.bits == 8 else torch.uint8
+    return buffer[: payload_bytes(shape, sch)].view(dtype).view(rows, cols * sch.fmt.bits // 8)
 
 
 def block_outputs(q: QuantizedTensor, stats: QuantizationStats, info, module: str, shape: tuple[int, int],
@@ -158,6 +164,7 @@ __all__ = [
     "nvfp4_groups",
     "packed_layout",
     "payload_bytes",
+    "payload_view",
     "quantize_block_task",
     "quantize_group_task",
 ]

@@ -36,6 +36,7 @@ import torch
 
 from mixprec.inference.algorithms.gptq import gptq_quantize
 from mixprec.inference.checkpoint.direct_file import STAGING_BYTES, direct_writes_enabled
+from mixprec.inference.producers.quantize_blocks import payload_bytes, payload_view
 from mixprec.inference.schemes import InferenceScheme, quantize_weight
 
 PROBE_ROUNDS = 2  # timed rounds of the quantize probe (after one warm-up round); the median call counts
@@ -145,11 +146,9 @@ def probe_quantize(
     project's 2-CPU machine): the median call's seconds after a warm-up, and the peak RSS rise per worker."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
-    # the payload views the streaming tasks quantize into (quantize_stream / quantize_blocks), touched
-    # as a reused buffer is
-    payload_dtype = scheme.fmt.torch_dtype if scheme.fmt.bits == 8 else torch.uint8
+    # the payloads the streaming tasks quantize into (4-bit codes packed), touched as a reused buffer is
     outs = [
-        torch.zeros(math.prod(shape), dtype=torch.uint8).view(payload_dtype).view(shape)
+        payload_view(torch.zeros(payload_bytes(shape, scheme), dtype=torch.uint8), shape, scheme)
         for _ in range(workers)
     ]
 

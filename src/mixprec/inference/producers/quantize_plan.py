@@ -267,7 +267,7 @@ def _shapes(job: QuantizeJob, source: Source, selection: Selection) -> est.Shape
         outside_bytes=sum(ckpt.tensors[n].nbytes for n in outside),
         block_bytes=max((sum(ckpt.tensors[n].nbytes for n in b) for b in blocks.values()), default=0),
         block_linear_params=max(per_block, default=0), total_bytes=ckpt.total_bytes,
-        largest_weight_bytes=max(sizes.values(), default=0), largest_payload_bytes=payload, largest_block_scales_bytes=block_scales,
+        largest_weight_bytes=largest, largest_payload_bytes=payload, largest_block_scales_bytes=block_scales,
         largest_group=max((len(g) for g in groups.values()), default=1), group_buffers=group_buffers,
         workers=stream_workers(),
     )  # fmt: skip

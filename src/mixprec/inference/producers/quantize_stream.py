@@ -33,6 +33,7 @@ from mixprec.inference.checkpoint.scales_file import layer_entry
 from mixprec.inference.producers.quantize_blocks import (
     block_outputs,
     payload_bytes,
+    payload_view,
     quantize_block_task,
     quantize_group_task,
 )
@@ -305,8 +306,7 @@ def _quantize_task(
     try:
         w = reader.get(info, out=buf)
         payload = out_pool.get()
-        data = payload[: w.numel()].view(torch.float8_e4m3fn).view(shape)
-        q, stats = quantize_weight(w, sch, name=info.name, out=data)
+        q, stats = quantize_weight(w, sch, name=info.name, out=payload_view(payload, shape, sch))
     finally:
         in_pool.release(buf)
     return {module: (*_fp8_outputs(q, stats, module, shape, sch, layout, in_amax), payload)}
