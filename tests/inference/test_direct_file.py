@@ -25,15 +25,21 @@ def _pieces(seed: int) -> list[bytes]:
     return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes() for n in LENGTHS]
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_shard_file_holds_exactly_the_bytes_given(tmp_path, direct):
-    pieces = _pieces(0)
-    path = tmp_path / "shard.safetensors"
+def _written(path, direct: bool, seed: int) -> tuple[ShardFile, bytes]:
+    """A ShardFile given the pieces of `seed`, closed; (it, the bytes given)."""
+    pieces = _pieces(seed)
     f = ShardFile(path, direct=direct)
     for p in pieces:
         f.write(memoryview(p))
     f.close()
-    assert path.read_bytes() == b"".join(pieces)
+    return f, b"".join(pieces)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_shard_file_holds_exactly_the_bytes_given(tmp_path, direct):
+    path = tmp_path / "shard.safetensors"
+    f, given = _written(path, direct, 0)
+    assert path.read_bytes() == given
     f.close()  # a second close does nothing
 
 
@@ -41,14 +47,10 @@ def test_staged_writes_hold_exactly_the_bytes_given_on_any_file_system(tmp_path,
     """The staging, padding and truncation of direct writes, whatever tmp_path's file system (tmpfs
     refuses O_DIRECT, so the test above may run buffered there): the flag opened as 0."""
     monkeypatch.setattr(direct_file.os, "O_DIRECT", 0, raising=False)
-    pieces = _pieces(1)
     path = tmp_path / "shard.safetensors"
-    f = ShardFile(path, direct=True)
-    for p in pieces:
-        f.write(memoryview(p))
-    f.close()
+    f, given = _written(path, True, 1)
     assert f.direct  # staged all the way: no fallback taken
-    assert path.read_bytes() == b"".join(pieces)
+    assert path.read_bytes() == given
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
