@@ -15,7 +15,9 @@ both tools with lm_head and the embeddings kept. After each pair, the layer-0 q_
 tensors of the two outputs are compared byte for byte, and both outputs are deleted (disk is limited).
 `mixprec quantize --dry-run --json` gives the plan's peak-RSS and time estimates for each scheme. With
 --resume-check, an fp8-dynamic run is killed with SIGKILL half-way and resumed with --resume; the
-resumed output is compared file by file (sha256) with an uninterrupted run's.
+resumed output is compared file by file (sha256) with an uninterrupted run's. With --torch-quantize, each
+mixprec run is followed by the same run with MIXPREC_C_KERNELS=off (FP8 quantized by the torch code
+instead of kernels.c_fp8), and the two outputs are compared file by file (sha256).
 Every timed run starts after an os.sync() and a read of the input (neither timed), so that no run pays
 for the writeback of the one before or reads an input another run pushed out of the page cache; "on disk" adds a timed os.sync() after it exits (its output written out, not only to the page
 cache). Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
@@ -127,7 +129,9 @@ def plan(model: Path, scheme: str, root: Path) -> dict:
     return {"peak_rss": doc["memory"]["total"], "seconds": doc["time"]["total"]}
 
 
-def one_round(model: Path, root: Path, llmc: str | None, workers: int) -> dict[str, tuple[float, int]]:
+def one_round(
+    model: Path, root: Path, llmc: str | None, workers: int, torch_quantize: bool = False
+) -> dict[str, tuple[float, int]]:
     got = {
         "copy": measure([sys.executable, "-c", COPY, str(model), str(root / "copy")], root / "log.txt", model)
     }
@@ -137,6 +141,12 @@ def one_round(model: Path, root: Path, llmc: str | None, workers: int) -> dict[s
         cmd = [sys.executable, "-m", "mixprec", "quantize", "--model", str(model), "--output", str(out),
                "--scheme", scheme, "--quiet"]  # fmt: skip
         got[f"mixprec {scheme}"] = measure(cmd, root / "log.txt", model)
+        if torch_quantize:  # the same run with FP8 quantized by the torch code (no compiled C)
+            plain = root / f"mixprec-{scheme}-torch"
+            off = ["env", "MIXPREC_C_KERNELS=off", *cmd[:7], str(plain), *cmd[8:]]
+            got[f"mixprec {scheme}, torch quantize"] = measure(off, root / "log.txt", model)
+            got[f"same bytes {scheme}, compiled C and torch quantize"] = (digest(out) == digest(plain), [])
+            shutil.rmtree(plain)
         if llmc is not None:
             ref = root / f"llmc-{scheme}"
             got[f"llm-compressor {scheme}"] = measure([llmc, "-c", LLMC, str(model), str(ref), llmc_scheme,
@@ -196,6 +206,11 @@ def main() -> int:
     p.add_argument(
         "--resume-check", action="store_true", help="also kill -9 an fp8-dynamic run and resume it"
     )
+    p.add_argument(
+        "--torch-quantize",
+        action="store_true",
+        help="also run mixprec with MIXPREC_C_KERNELS=off (FP8 quantized by the torch code) after each mixprec run",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="stream8b-") as tmp:
         root = args.dir or Path(tmp)
@@ -210,7 +225,7 @@ def main() -> int:
         plans = {s: plan(model, s, root) for s in SCHEMES}
         rounds = []
         for r in range(args.rounds):
-            rounds.append(one_round(model, root, args.llmc_python, args.workers))
+            rounds.append(one_round(model, root, args.llmc_python, args.workers, args.torch_quantize))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[0]:.0f} s" for k, v in rounds[-1].items()
                                                  if not k.startswith("same")), flush=True)  # fmt: skip
         resume = kill_and_resume(model, root) if args.resume_check else None
@@ -221,8 +236,8 @@ def main() -> int:
         wall, disk = (statistics.median(r[key][i] for r in rounds) for i in (0, 2))
         ratio, disk_ratio = (statistics.median(r[key][i] / r["copy"][i] for r in rounds) for i in (0, 2))
         rss = max(r[key][1] for r in rounds)
-        scheme = key.split()[-1]
-        planned = plans.get(scheme) if key.startswith("mixprec") else None
+        scheme = key.split()[1].rstrip(",")
+        planned = plans.get(scheme) if key.startswith("mixprec") and "torch" not in key else None
         plan_text = f"{planned['peak_rss'] / 2**30:.2f} GiB / {planned['seconds']:.0f} s" if planned else ""
         print(f"| {key} | {wall:.0f} s | {ratio:.2f}x | {disk:.0f} s | {disk_ratio:.2f}x | {rss / 2**30:.2f} GiB "
               f"| {plan_text} |")  # fmt: skip
@@ -232,9 +247,8 @@ def main() -> int:
               f"output byte-identical to the uninterrupted run: {'yes' if resume['identical'] else 'NO'}")  # fmt: skip
     for key in (k for k in rounds[0] if k.startswith("same")):
         same, differing = rounds[0][key]
-        print(
-            f"\n{key} (layer-0 q_proj and down_proj, every tensor): {'yes' if same else 'NO ' + str(differing)}"
-        )
+        what = "every file" if "compiled C" in key else "layer-0 q_proj and down_proj, every tensor"
+        print(f"\n{key} ({what}): {'yes' if same else 'NO ' + str(differing)}")
     return 0
 
 

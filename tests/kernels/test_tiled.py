@@ -1,7 +1,8 @@
 """The tiled backend of the quantize entry gives the eager backend's payloads and scales bit for bit, with
-many tiles (column tiles for blocks) as with one, and the statistics it computes from the same pass
-(amax, relative error within 1e-5 relative of the float64 reference); FP4 (NVFP4 and MX blocks) likewise,
-also with the codes packed two a byte into the caller's buffer."""
+many tiles (column tiles for blocks) as with one, FP8 through its compiled fast path (kernels.c_fp8) and
+through its torch code, and the statistics it computes from the same pass (amax, relative error within
+1e-5 relative of the float64 reference); FP4 (NVFP4 and MX blocks) likewise, also with the codes packed
+two a byte into the caller's buffer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import decode_e4m3_unscaled_into, pack_nibbles
-from mixprec.kernels import tiled
+from mixprec.kernels import c_fp8, tiled
 from mixprec.quantization import quantize, quantize_with_stats
 from mixprec.scaling import Granularity
 
@@ -36,11 +37,14 @@ def _weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return (w * 0.05).to(dtype)
 
 
+@pytest.mark.parametrize("compiled_fp8", [True, False], ids=["c", "torch"])  # kernels.c_fp8, or not
 @pytest.mark.parametrize("tile", [1 << 18, 300])  # 300 elements: many tiles, column tiles for blocks
 @pytest.mark.parametrize("g", GRANULARITIES, ids=lambda g: g.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_bit_identical_to_the_eager_backend(monkeypatch, tile, g, dtype):
+def test_bit_identical_to_the_eager_backend(monkeypatch, tile, g, dtype, compiled_fp8):
     monkeypatch.setattr(tiled, "TILE_ELEMENTS", tile)
+    if not compiled_fp8:
+        monkeypatch.setattr(c_fp8, "takes", lambda *a: False)
     for shape in [(16, 48), (130, 300), (257, 129)]:
         w = _weight(shape, dtype)
         for given in (False, True):

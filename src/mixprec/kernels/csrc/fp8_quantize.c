@@ -1,0 +1,181 @@
+/* One-pass FP8 (E4M3 / E5M2) quantize of a 2-D fp32 or bf16 tensor with fp32 scales on a block grid,
+ * and the error statistics of the inference reports, for mixprec.kernels.c_fp8 (loaded with ctypes).
+ *
+ * Bit-identical to mixprec's torch backends by construction, not by tolerance:
+ *   - the scaled value is x / s, an IEEE fp32 division (no reciprocal; built without -ffast-math, with
+ *     -ffp-contract=off so no product is fused into another operation);
+ *   - the clamp to +-max and the round to nearest even of the clamped value are done on the fp32 bit
+ *     pattern: normal results round their mantissa (add half an ulp minus one, plus the kept lsb, then
+ *     shift: ties go to the even code); results below the format's smallest normal are rounded by the
+ *     fp32 adder itself, by adding a power of two whose ulp is the format's subnormal step;
+ *   - the sign is kept (-0.0 gives the negative-zero code, as torch's cast does).
+ * Non-finite inputs are not handled here: both passes report them and the caller takes the torch path,
+ * which has the rules for NaN and inf.
+ *
+ * The statistics are sum x^2 and sum (x - deq(q) * s)^2 over the tensor: fp32 partial sums over 256
+ * elements (redone in double where a square overflows fp32), accumulated in double.
+ * Every loop is written so that the compiler vectorizes it (-O3, and `omp simd` for the reductions,
+ * which without -ffast-math a compiler may not reorder by itself).
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int mbits;            /* mantissa bits: 3 (E4M3) or 2 (E5M2) */
+    uint32_t min_normal;  /* fp32 bits of the format's smallest normal */
+    uint32_t exp_offset;  /* (127 - format bias) << mbits: fp32 exponent -> format exponent */
+    float magic;          /* 2^(23 + log2 of the subnormal step): its ulp is the subnormal step */
+    float max;            /* the largest finite value */
+} Fp8Format;
+
+static Fp8Format fp8_format(int mbits) {
+    Fp8Format f;
+    f.mbits = mbits;
+    if (mbits == 3) { /* E4M3 (fn): bias 7, normals from 2^-6, subnormal step 2^-9, max 448 */
+        f.min_normal = 0x3C800000u;
+        f.exp_offset = 120u << 3;
+        f.magic = 16384.0f; /* 2^14 */
+        f.max = 448.0f;
+    } else { /* E5M2: bias 15, normals from 2^-14, subnormal step 2^-16, max 57344 */
+        f.min_normal = 0x38800000u;
+        f.exp_offset = 112u << 2;
+        f.magic = 128.0f; /* 2^7 */
+        f.max = 57344.0f;
+    }
+    return f;
+}
+
+static inline uint32_t f2u(float v) { uint32_t u; memcpy(&u, &v, 4); return u; }
+static inline float u2f(uint32_t u) { float v; memcpy(&v, &u, 4); return v; }
+
+/* bf16 or fp32 element j of a row, as fp32 (bf16 -> fp32 is exact: the high half of the pattern) */
+static inline float load(const void *row, int bf16, int64_t j) {
+    if (bf16) return u2f((uint32_t)((const uint16_t *)row)[j] << 16);
+    return ((const float *)row)[j];
+}
+
+/* Per-block max |x| into amax (fp32, gr x gc, zeroed here). Returns 1 when any element is NaN or inf
+ * (the caller then quantizes on the torch path), else 0. */
+int mixprec_fp8_amax(const void *x, int bf16, int64_t rows, int64_t cols, int64_t ld, int64_t br,
+                     int64_t bc, int64_t gc, float *amax) {
+    int64_t gr = (rows + br - 1) / br;
+    uint32_t *grid = (uint32_t *)amax; /* non-negative floats order as their bit patterns */
+    memset(grid, 0, (size_t)(gr * gc) * sizeof(uint32_t));
+    uint32_t worst = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const char *row = (const char *)x + i * ld * (bf16 ? 2 : 4);
+        uint32_t *g = grid + (i / br) * gc;
+        for (int64_t j0 = 0, b = 0; j0 < cols; j0 += bc, b++) {
+            int64_t j1 = j0 + bc < cols ? j0 + bc : cols;
+            uint32_t m = 0;
+            if (bf16) {
+                const uint16_t *r = (const uint16_t *)row;
+#pragma omp simd reduction(max : m)
+                for (int64_t j = j0; j < j1; j++) {
+                    uint32_t a = (uint32_t)(r[j] & 0x7FFF) << 16;
+                    m = a > m ? a : m;
+                }
+            } else {
+                const uint32_t *r = (const uint32_t *)row;
+#pragma omp simd reduction(max : m)
+                for (int64_t j = j0; j < j1; j++) {
+                    uint32_t a = r[j] & 0x7FFFFFFFu;
+                    m = a > m ? a : m;
+                }
+            }
+            if (m > g[b]) g[b] = m;
+            if (m > worst) worst = m;
+        }
+    }
+    return worst >= 0x7F800000u; /* inf's pattern, or above it: NaN */
+}
+
+/* The code of the fp32 value y (not NaN) clamped to +-max and rounded to nearest even; *deq is the
+ * value of that code. */
+static inline __attribute__((always_inline)) uint8_t encode(float y, Fp8Format f, float *deq) {
+    const int shift = 23 - f.mbits;
+    y = y > f.max ? f.max : (y < -f.max ? -f.max : y);
+    uint32_t bits = f2u(y);
+    uint32_t sign = bits & 0x80000000u;
+    uint32_t a = bits & 0x7FFFFFFFu;
+    uint32_t rounded = (a + ((1u << (shift - 1)) - 1u) + ((a >> shift) & 1u)) >> shift; /* exp | mant */
+    float sub = u2f(a) + f.magic; /* the fp32 adder rounds onto the subnormal step */
+    int normal = a >= f.min_normal;
+    uint32_t code = normal ? rounded - f.exp_offset : f2u(sub) - f2u(f.magic);
+    float mag = normal ? u2f(rounded << shift) : sub - f.magic;
+    *deq = u2f(f2u(mag) | sign);
+    return (uint8_t)(code | (sign >> 24));
+}
+
+/* q = encode(x / s) for one run of elements sharing the scale s; with_stats adds sum x^2 and
+ * sum (x - deq * s)^2 to sums[0], sums[1]. bf16 and with_stats are constants at each call: the
+ * compiler makes one vectorized loop per combination (and drops the decode without the statistics). Returns 1 when an input is NaN or inf (the caller then takes the torch path). */
+static inline __attribute__((always_inline)) int quantize_run(const void *restrict row, const int bf16,
+                                                                int64_t j0, int64_t j1, float s,
+                                                                Fp8Format f, uint8_t *restrict out,
+                                                                double *sums, const int with_stats) {
+    double ref_d = 0.0, err_d = 0.0;
+    int nonfinite = 0;
+    const int64_t chunk = 256; /* fp32 partial sums over at most 256 elements, then double */
+    for (int64_t c0 = j0; c0 < j1; c0 += chunk) {
+        int64_t c1 = c0 + chunk < j1 ? c0 + chunk : j1;
+        float ref = 0.0f, err = 0.0f;
+#pragma omp simd reduction(+ : ref, err) reduction(| : nonfinite)
+        for (int64_t j = c0; j < c1; j++) {
+            float xv = load(row, bf16, j), deq;
+            float y = xv / s;
+            nonfinite |= !(xv - xv == 0.0f); /* inf or NaN */
+            out[j] = encode(y, f, &deq);
+            if (with_stats) {
+                float e = xv - deq * s;
+                ref += xv * xv;
+                err += e * e;
+            }
+        }
+        if (with_stats && !(ref - ref == 0.0f && err - err == 0.0f)) { /* fp32 squares overflowed */
+            ref = err = 0.0f;
+            for (int64_t j = c0; j < c1; j++) {
+                float xv = load(row, bf16, j), deq;
+                encode(xv / s, f, &deq);
+                double e = (double)xv - (double)deq * s; /* exact product */
+                ref_d += (double)xv * xv;
+                err_d += e * e;
+            }
+        }
+        ref_d += ref;
+        err_d += err;
+    }
+    if (with_stats) {
+        sums[0] += ref_d;
+        sums[1] += err_d;
+    }
+    return nonfinite;
+}
+
+/* The payload of x (rows x cols, row stride ld elements) with scale[i / br][j / bc] (gc scale columns)
+ * into out (row stride ldo bytes); sums (double[2]) or NULL. Returns 1 when x holds NaN or inf (out is
+ * then incomplete: the caller takes the torch path), else 0. */
+int mixprec_fp8_quantize(const void *x, int bf16, int mbits, int64_t rows, int64_t cols, int64_t ld,
+                          const float *scale, int64_t br, int64_t bc, int64_t gc, uint8_t *out,
+                          int64_t ldo, double *sums) {
+    Fp8Format f = fp8_format(mbits);
+    int nonfinite = 0;
+    if (sums) sums[0] = sums[1] = 0.0;
+    for (int64_t i = 0; i < rows; i++) {
+        const char *row = (const char *)x + i * ld * (bf16 ? 2 : 4);
+        const float *srow = scale + (i / br) * gc;
+        for (int64_t j0 = 0, b = 0; j0 < cols; j0 += bc, b++) {
+            int64_t j1 = j0 + bc < cols ? j0 + bc : cols;
+            uint8_t *o = out + i * ldo;
+            float sc = srow[b];
+            if (bf16)
+                nonfinite |= sums ? quantize_run(row, 1, j0, j1, sc, f, o, sums, 1)
+                                  : quantize_run(row, 1, j0, j1, sc, f, o, NULL, 0);
+            else
+                nonfinite |= sums ? quantize_run(row, 0, j0, j1, sc, f, o, sums, 1)
+                                  : quantize_run(row, 0, j0, j1, sc, f, o, NULL, 0);
+        }
+        if (nonfinite) return 1;
+    }
+    return 0;
+}
