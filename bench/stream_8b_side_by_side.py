@@ -17,7 +17,7 @@ tensors of the two outputs are compared byte for byte, and both outputs are dele
 --resume-check, an fp8-dynamic run is killed with SIGKILL half-way and resumed with --resume; the
 resumed output is compared file by file (sha256) with an uninterrupted run's. With --torch-quantize, each
 mixprec run is followed by the same run with MIXPREC_C_KERNELS=off (FP8 quantized by the torch code
-instead of kernels.c_fp8), and the two outputs are compared file by file (sha256).
+instead of kernels.c_quantize), and the two outputs are compared file by file (sha256).
 Every timed run starts after an os.sync() and a read of the input (neither timed), so that no run pays
 for the writeback of the one before or reads an input another run pushed out of the page cache; "on disk" adds a timed os.sync() after it exits (its output written out, not only to the page
 cache). Prints a markdown table: medians over the rounds, ratios to the copy of the same round.
@@ -236,7 +236,7 @@ def main() -> int:
         wall, disk = (statistics.median(r[key][i] for r in rounds) for i in (0, 2))
         ratio, disk_ratio = (statistics.median(r[key][i] / r["copy"][i] for r in rounds) for i in (0, 2))
         rss = max(r[key][1] for r in rounds)
-        scheme = key.split()[1].rstrip(",")
+        scheme = key.split()[1].rstrip(",") if " " in key else key
         planned = plans.get(scheme) if key.startswith("mixprec") and "torch" not in key else None
         plan_text = f"{planned['peak_rss'] / 2**30:.2f} GiB / {planned['seconds']:.0f} s" if planned else ""
         print(f"| {key} | {wall:.0f} s | {ratio:.2f}x | {disk:.0f} s | {disk_ratio:.2f}x | {rss / 2**30:.2f} GiB "

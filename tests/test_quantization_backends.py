@@ -20,7 +20,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E2M1, E3M2, E4M3, E5M2
-from mixprec.kernels import c_fp8, compiled, tiled
+from mixprec.kernels import c_quantize, compiled, tiled
 from mixprec.quantization import backend_available, choose_backend, quantize
 from mixprec.scaling import Granularity
 
@@ -161,10 +161,10 @@ def test_triton_backend_declines_what_its_kernels_do_not_cover():
 
 def test_auto_picks_by_capability_and_size(monkeypatch):
     small = torch.randn(16, 64)
-    compiled_fp8 = c_fp8.unavailable_reason() is None  # FP8 that the compiled C takes: tiled at any size
+    compiled_fp8 = c_quantize.unavailable_reason() is None  # FP8 that the compiled C takes: tiled at any size
     assert choose_backend(small, E4M3, G.rows()) == ("tiled" if compiled_fp8 else "eager")
     assert choose_backend(small.half(), E4M3, G.rows()) == "eager"  # fp16: not taken by the C
-    monkeypatch.setattr(c_fp8, "takes", lambda *a: False)
+    monkeypatch.setattr(c_quantize, "takes", lambda *a: False)
     assert choose_backend(small, E4M3, G.rows()) == "eager"
     monkeypatch.setattr(tiled, "TILED_MIN_ELEMENTS", small.numel())
     assert choose_backend(small, E4M3, G.rows()) == "tiled"

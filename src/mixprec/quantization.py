@@ -19,16 +19,16 @@ the scale (never a multiplication by its reciprocal), and a saturating round-to-
                                  compiles once, for seconds
     "triton"     CUDA + triton   fused Triton kernels for E4M3/E5M2 (kernels.triton_quant)
     "tiled"      CPU             tiles in reused buffers (kernels.tiled): bounded memory for big
-                                 weights, and the statistics quantize_with_stats reports; FP8
-                                 (E4M3 / E5M2, fp32 or bf16 input) in two passes of compiled C
-                                 (kernels.c_fp8) where the machine's C compiler built them
+                                 weights, and the statistics quantize_with_stats reports; E4M3,
+                                 E5M2 and E2M1 of fp32 or bf16 input in two passes of compiled C
+                                 (kernels.c_quantize) where the machine's C compiler built them
 
 backend="auto" picks the way gemm.scaled_mm picks its GEMM, by capability and size: "traceable"
 inside torch.compile; "triton" on CUDA where triton is installed and its kernels take the case; on
 the CPU "tiled" for memory from kernels.tiled.TILED_MIN_ELEMENTS elements (an fp32 working copy of
 1 GiB; tiles are not faster than eager there, see kernels.tiled), for NVFP4 from
 kernels.tiled.NVFP4_TILED_MIN_ELEMENTS (eager's whole-tensor temporaries cost more there), always
-for quantize_with_stats, and for every FP8 case the compiled C takes (1.4-6x faster than eager
+for quantize_with_stats, and for every case the compiled C takes (FP8: 1.4-6x faster than eager
 from 128 x 128 to 2048 x 4096 on the AVX-512-BF16 EPYC, 2026-12); else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
 MixprecError saying why (`backend_available` asks first). Checks that read a value (the FP6/FP4 NaN
 check, a given global scale) are Python checks raising MixprecError in eager mode and, under
@@ -54,7 +54,7 @@ from mixprec.formats import (
     pack_nibbles,
     raise_if,
 )
-from mixprec.kernels import c_fp8, compiled, tiled
+from mixprec.kernels import c_quantize, compiled, tiled
 from mixprec.kernels.codes import encode_codes_into
 from mixprec.kernels.native import triton_usable, triton_version
 from mixprec.kernels.traceable import quantize_traceable
@@ -296,14 +296,14 @@ def _packed_out(out: torch.Tensor | None, x2: torch.Tensor, fmt: Format) -> bool
 def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
     if torch.compiler.is_compiling():
         return "eager" if g.scale_format == "e4m3" else "traceable"
+    if c_quantize.takes(x2, fmt, g, None):  # compiled C: faster than eager at every size measured
+        return "tiled"
     if g.scale_format == "e4m3":  # NVFP4: eager's whole-tensor temporaries cost more than tiles
         cpu = x2.device.type == "cpu"
         return "tiled" if cpu and (stats or x2.numel() >= tiled.NVFP4_TILED_MIN_ELEMENTS) else "eager"
     if x2.is_cuda and triton_usable(x2.device) and _triton_unavailable(x2, fmt, g) is None:
         return "triton"
     if x2.device.type == "cpu" and (stats or x2.numel() >= tiled.TILED_MIN_ELEMENTS):
-        return "tiled"
-    if c_fp8.takes(x2, fmt, g, None):  # FP8 in compiled C: faster than eager at every size measured
         return "tiled"
     return "eager"
 

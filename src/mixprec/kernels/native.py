@@ -25,7 +25,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.formats import E4M3
-from mixprec.kernels import c_fp8
+from mixprec.kernels import c_quantize
 from mixprec.kernels.compiled import division_rounding_option
 from mixprec.kernels.hardware import detect
 from mixprec.kernels.tiled import TILED_MIN_ELEMENTS
@@ -331,10 +331,10 @@ def quantize_backend(device: torch.device | str) -> str:
     if triton_usable(device):
         return "triton"
     if torch.device(device).type == "cpu":
-        why_not = c_fp8.unavailable_reason()
+        why_not = c_quantize.unavailable_reason()
         if why_not is None:
-            return "tiled, FP8 in compiled C (kernels.c_fp8)"
-        return f"eager; tiled from {TILED_MIN_ELEMENTS} elements (compiled C FP8 quantize unavailable: {why_not})"
+            return "tiled: FP8 and FP4 in compiled C (kernels.c_quantize)"
+        return f"eager; tiled from {TILED_MIN_ELEMENTS} elements (compiled C quantize unavailable: {why_not})"
     return "eager"
 
 

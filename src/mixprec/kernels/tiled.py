@@ -31,7 +31,7 @@ from mixprec.formats import (
     pack_nibbles,
     raise_if,
 )
-from mixprec.kernels import c_fp8
+from mixprec.kernels import c_quantize
 from mixprec.kernels.codes import encode_codes_into
 from mixprec.scaling import Granularity, block_amax, expand_scale, scale_from_amax
 
@@ -91,10 +91,11 @@ def quantize_tiled(
     granularities only, the tensor's global scale (one fp32 element, computed or given by the
     caller): block scales are in its units, computed in x2's dtype where g.scale_math is "input".
     """
-    if c_fp8.takes(x2, fmt, g, out):  # FP8 in two compiled passes, where a C compiler built them
-        done = c_fp8.quantize_fp8(
-            x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, out=out, stats=stats
-        )
+    if c_quantize.takes(x2, fmt, g, out):  # two passes of compiled C, where a C compiler built them
+        done = c_quantize.quantize_compiled(
+            x2, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, out=out, stats=stats,
+            global_scale=global_scale,
+        )  # fmt: skip
         if done is not None:  # else NaN or inf: the torch code has their rules
             return done
     return _quantize_tiles(x2, fmt, g, scale, margin, power_of_two, out, stats, global_scale)

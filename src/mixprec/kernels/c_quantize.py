@@ -1,25 +1,26 @@
-"""FP8 quantize in one pass of compiled C: the CPU fast path of the tiled backend for E4M3 / E5M2.
+"""FP8 and FP4 quantize in compiled C: the CPU fast path of the tiled backend (E4M3, E5M2, E2M1).
 
 The torch code of the tiled backend makes about ten passes over each tile (fp32 copy, amax, divide,
-clamp, cast; with the statistics decode, subtract, two dot products), ~35 torch calls per tile. For
-the streaming quantize of an 8B checkpoint that is most of the CPU time (2.25 ns per element with the
-statistics on the AVX-512-BF16 EPYC, 2026-12). csrc/fp8_quantize.c does it in two reads of the input:
-the block amaxes, then divide, clamp, round, store and, for the reports, the decoded error, all in
-registers; the scale rule between the two passes stays scaling.scale_from_amax. The payloads are the
-torch backends' bit for bit (tests/kernels/test_c_fp8.py: every E4M3 and E5M2 rounding boundary, and
-the tiled backend's tests in tests/kernels/test_tiled.py).
+clamp, cast or integer encode; with the statistics decode, subtract, two dot products), ~35 torch
+calls per tile. For the streaming quantize of an 8B checkpoint that is most of the CPU time (fp8 with
+the statistics 2.25 ns per element on the AVX-512-BF16 EPYC, 2026-12). csrc/quantize.c does it in two
+reads of the input: the block amaxes, then divide, clamp, round, store (E2M1 packed two a byte where
+the caller's buffer asks) and, for the reports, the decoded error, all in registers; the scale rule
+between the two passes stays scaling.scale_from_amax (NVFP4's E4M3 block scales included). The
+payloads are the torch backends' bit for bit (tests/kernels/test_c_quantize.py: every rounding
+boundary of the three formats, granularities, packing; and the tiled backend's tests).
 
 The C source ships with the package and is compiled once per machine with the system's C compiler
 (`$CC`, else `cc`; no torch headers, so it takes well under a second) into
 $MIXPREC_CACHE_DIR (default ~/.cache/mixprec)/kernels, named by a hash of the source, the flags, the
 compiler and the CPU, and loaded with ctypes, which releases the GIL during each call: the stream's
 quantize threads run it in parallel. Without a compiler, when the build fails, or with
-$MIXPREC_C_KERNELS=off, `unavailable_reason()` says why and every caller keeps the torch path.
+$MIXPREC_C_KERNELS=off, `unavailable_reason()` says why and every caller keeps the torch code.
 
-What it takes (else `quantize_fp8` returns None and the caller runs the torch code): a 2-D CPU fp32 or
-bf16 tensor with unit column stride, an FP8 format torch has a dtype for, fp32 or E8M0 scales on any
-block grid (per tensor, rows, columns, blocks, MX), finite values (a NaN or inf found by a pass hands
-the whole tensor back), outside torch.compile.
+What it takes (else `takes` is False and the caller runs the torch code): a 2-D CPU fp32 or bf16
+tensor with unit column stride; E4M3, E5M2 or E2M1; fp32, E8M0 (MX) or E4M3-with-a-global-scale
+(NVFP4) scales on any block grid; outside torch.compile. A NaN or inf found by either pass hands the
+whole tensor back (quantize_compiled returns None): the torch code has their rules.
 """
 
 from __future__ import annotations
@@ -41,16 +42,16 @@ from mixprec.scaling import Granularity, scale_from_amax
 
 ENV_VAR = "MIXPREC_C_KERNELS"
 CACHE_ENV_VAR = "MIXPREC_CACHE_DIR"
-SOURCE = Path(__file__).with_name("csrc") / "fp8_quantize.c"
+SOURCE = Path(__file__).with_name("csrc") / "quantize.c"
 # -ffp-contract=off: no product fused into a sum (the payload is a plain division anyway);
 # -fopenmp-simd: the `omp simd` reductions vectorize without the reordering licence of -ffast-math.
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared", "-fPIC")
-_MBITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+_MBITS = {"e4m3": 3, "e5m2": 2, "e2m1": 1}  # the formats the C encodes, by mantissa bits
 _INPUTS = (torch.float32, torch.bfloat16)
 
 
 def unavailable_reason() -> str | None:
-    """Why the compiled FP8 quantize is not used in this process, or None."""
+    """Why the compiled quantize is not used in this process, or None."""
     return _load()[1]
 
 
@@ -67,10 +68,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"building {SOURCE.name} with {compiler} failed: {str(e).strip()[:300]}"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.mixprec_fp8_amax.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, i64, ptr]
-    lib.mixprec_fp8_amax.restype = ctypes.c_int
-    lib.mixprec_fp8_quantize.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr]  # fmt: skip
-    lib.mixprec_fp8_quantize.restype = ctypes.c_int
+    lib.mixprec_block_amax.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, i64, ptr]
+    lib.mixprec_block_amax.restype = ctypes.c_int
+    lib.mixprec_quantize.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr]  # fmt: skip
+    lib.mixprec_quantize.restype = ctypes.c_int
     return lib, None
 
 
@@ -81,7 +82,7 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_id()]))
     cache = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "mixprec") / "kernels"
-    path = cache / f"fp8_quantize-{key.hexdigest()[:16]}.so"
+    path = cache / f"quantize-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
@@ -112,23 +113,34 @@ def _cpu_id() -> bytes:
 
 
 def takes(x2: torch.Tensor, fmt: Format, g: Granularity, out: torch.Tensor | None) -> bool:
-    """Whether quantize_fp8 runs this case here (see the module docstring)."""
+    """Whether quantize_compiled runs this case here (see the module docstring)."""
     return (
-        fmt.bits == 8
-        and fmt.torch_dtype in _MBITS
-        and g.scale_format in ("fp32", "e8m0")
+        fmt.name in _MBITS
+        and g.scale_format in ("fp32", "e8m0", "e4m3")
         and x2.device.type == "cpu"
         and x2.dtype in _INPUTS
         and x2.dim() == 2
         and (x2.stride(1) == 1 or x2.shape[1] == 1)
         and (x2.stride(0) >= x2.shape[1] or x2.shape[0] == 1)  # rows apart (not an expanded view)
-        and (out is None or (out.dtype == fmt.torch_dtype and out.is_contiguous() and out.shape == x2.shape))
+        and (out is None or _out_layout(x2, fmt, g, out) is not None)
         and not torch.compiler.is_compiling()
         and _load()[0] is not None
     )
 
 
-def quantize_fp8(
+def _out_layout(x2: torch.Tensor, fmt: Format, g: Granularity, out: torch.Tensor) -> str | None:
+    """ "codes" (one a byte) or "packed" (E2M1 two a byte) for a payload buffer the C can write, else None."""
+    rows, cols = x2.shape
+    dtype = fmt.torch_dtype or torch.uint8
+    if out.dtype != dtype or not out.is_contiguous():
+        return None
+    if tuple(out.shape) == (rows, cols):
+        return "codes"
+    even_runs = cols % 2 == 0 and (g.block_cols is None or g.block_cols % 2 == 0)
+    return "packed" if fmt.bits == 4 and even_runs and tuple(out.shape) == (rows, cols // 2) else None
+
+
+def quantize_compiled(
     x2: torch.Tensor,
     fmt: Format,
     g: Granularity,
@@ -138,31 +150,40 @@ def quantize_fp8(
     power_of_two: bool,
     out: torch.Tensor | None,
     stats: bool,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float] | None] | None:
     """(payload, scale, (amax, relative error) if stats) as the tiled backend returns them, or None when
     x2 holds NaN or inf (the caller then runs the torch code, which has their rules). The caller checked
-    takes(); `scale` is a given fp32 scale on the grid, or None to compute it."""
+    takes(); `scale` is a given fp32 scale on the grid, or None to compute it (scaling.scale_from_amax;
+    NVFP4's E4M3 block scales in the units of global_scale, which NVFP4 needs, computed or given)."""
     lib = _load()[0]
+    if g.scale_format == "e4m3" and global_scale is None:
+        return None  # NVFP4 without its global scale: the torch code says what is missing
     rows, cols = x2.shape
     grid = g.scale_shape(rows, cols)
     br, bc = g.block_rows or rows, g.block_cols or cols
     bf16, ld = int(x2.dtype == torch.bfloat16), x2.stride(0) if rows > 1 else cols
+    rule = {"global_scale": global_scale.float().reshape(1, 1), "dtype": x2.dtype} if g.scale_format == "e4m3" else {}  # fmt: skip
     amax = 0.0
     if scale is None or stats:
         block_amax = torch.empty(grid, dtype=torch.float32)
-        if lib.mixprec_fp8_amax(x2.data_ptr(), bf16, rows, cols, ld, br, bc, grid[1], block_amax.data_ptr()):
+        if lib.mixprec_block_amax(
+            x2.data_ptr(), bf16, rows, cols, ld, br, bc, grid[1], block_amax.data_ptr()
+        ):
             return None
         amax = float(block_amax.max())
         if scale is None:
-            scale = scale_from_amax(block_amax, fmt, g, margin, power_of_two)
+            scale = scale_from_amax(block_amax, fmt, g, margin, power_of_two, **rule)
     scale = scale.float().contiguous()
-    data = out if out is not None else torch.empty((rows, cols), dtype=fmt.torch_dtype)
+    divisor = scale / rule["global_scale"] if rule else scale  # NVFP4 divides by block / global, in fp32
+    packed = out is not None and _out_layout(x2, fmt, g, out) == "packed"
+    data = out if out is not None else torch.empty((rows, cols), dtype=fmt.torch_dtype or torch.uint8)
     sums = (ctypes.c_double * 2)() if stats else None
-    nan = lib.mixprec_fp8_quantize(
-        x2.data_ptr(), bf16, _MBITS[fmt.torch_dtype], rows, cols, ld, scale.data_ptr(),
-        br, bc, grid[1], data.data_ptr(), cols, sums,
+    nonfinite = lib.mixprec_quantize(
+        x2.data_ptr(), bf16, _MBITS[fmt.name], rows, cols, ld, divisor.data_ptr(), br, bc, grid[1],
+        data.data_ptr(), data.shape[1], int(packed), sums,
     )  # fmt: skip
-    if nan:
+    if nonfinite:
         return None
     if not stats:
         return data, scale, None
@@ -170,4 +191,4 @@ def quantize_fp8(
     return data, scale, (amax, (err2 / ref2) ** 0.5 if ref2 > 0 else 0.0)
 
 
-__all__ = ["quantize_fp8", "takes", "unavailable_reason"]
+__all__ = ["quantize_compiled", "takes", "unavailable_reason"]

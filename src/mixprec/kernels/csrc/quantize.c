@@ -1,5 +1,6 @@
-/* One-pass FP8 (E4M3 / E5M2) quantize of a 2-D fp32 or bf16 tensor with fp32 scales on a block grid,
- * and the error statistics of the inference reports, for mixprec.kernels.c_fp8 (loaded with ctypes).
+/* Quantize of a 2-D fp32 or bf16 tensor to FP8 (E4M3, E5M2) or FP4 (E2M1, optionally packed two codes
+ * a byte) with fp32 scales on a block grid, and the error statistics of the inference reports, for
+ * mixprec.kernels.c_quantize (loaded with ctypes).
  *
  * Bit-identical to mixprec's torch backends by construction, not by tolerance:
  *   - the scaled value is x / s, an IEEE fp32 division (no reciprocal; built without -ffast-math, with
@@ -8,7 +9,7 @@
  *     pattern: normal results round their mantissa (add half an ulp minus one, plus the kept lsb, then
  *     shift: ties go to the even code); results below the format's smallest normal are rounded by the
  *     fp32 adder itself, by adding a power of two whose ulp is the format's subnormal step;
- *   - the sign is kept (-0.0 gives the negative-zero code, as torch's cast does).
+ *   - the sign is kept (-0.0 gives the negative-zero code, as torch's cast and mixprec's E2M1 encode do).
  * Non-finite inputs are not handled here: both passes report them and the caller takes the torch path,
  * which has the rules for NaN and inf.
  *
@@ -21,26 +22,35 @@
 #include <string.h>
 
 typedef struct {
-    int mbits;            /* mantissa bits: 3 (E4M3) or 2 (E5M2) */
-    uint32_t min_normal;  /* fp32 bits of the format's smallest normal */
-    uint32_t exp_offset;  /* (127 - format bias) << mbits: fp32 exponent -> format exponent */
-    float magic;          /* 2^(23 + log2 of the subnormal step): its ulp is the subnormal step */
-    float max;            /* the largest finite value */
-} Fp8Format;
+    int mbits;           /* mantissa bits: 3 (E4M3), 2 (E5M2) or 1 (E2M1) */
+    uint32_t min_normal; /* fp32 bits of the format's smallest normal */
+    uint32_t exp_offset; /* (127 - format bias) << mbits: fp32 exponent -> format exponent */
+    float magic;         /* 2^(23 + log2 of the subnormal step): its ulp is the subnormal step */
+    float max;           /* the largest finite value */
+    int sign_shift;      /* fp32 sign bit -> the code's sign bit (bit 7, or bit 3 for E2M1) */
+} Minifloat;
 
-static Fp8Format fp8_format(int mbits) {
-    Fp8Format f;
+static Minifloat minifloat(int mbits) {
+    Minifloat f;
     f.mbits = mbits;
     if (mbits == 3) { /* E4M3 (fn): bias 7, normals from 2^-6, subnormal step 2^-9, max 448 */
         f.min_normal = 0x3C800000u;
         f.exp_offset = 120u << 3;
         f.magic = 16384.0f; /* 2^14 */
         f.max = 448.0f;
-    } else { /* E5M2: bias 15, normals from 2^-14, subnormal step 2^-16, max 57344 */
+        f.sign_shift = 24;
+    } else if (mbits == 2) { /* E5M2: bias 15, normals from 2^-14, subnormal step 2^-16, max 57344 */
         f.min_normal = 0x38800000u;
         f.exp_offset = 112u << 2;
         f.magic = 128.0f; /* 2^7 */
         f.max = 57344.0f;
+        f.sign_shift = 24;
+    } else { /* E2M1: bias 1, normals from 1, subnormal step 0.5, max 6 */
+        f.min_normal = 0x3F800000u;
+        f.exp_offset = 126u << 1;
+        f.magic = 4194304.0f; /* 2^22 */
+        f.max = 6.0f;
+        f.sign_shift = 28;
     }
     return f;
 }
@@ -56,8 +66,8 @@ static inline float load(const void *row, int bf16, int64_t j) {
 
 /* Per-block max |x| into amax (fp32, gr x gc, zeroed here). Returns 1 when any element is NaN or inf
  * (the caller then quantizes on the torch path), else 0. */
-int mixprec_fp8_amax(const void *x, int bf16, int64_t rows, int64_t cols, int64_t ld, int64_t br,
-                     int64_t bc, int64_t gc, float *amax) {
+int mixprec_block_amax(const void *x, int bf16, int64_t rows, int64_t cols, int64_t ld, int64_t br,
+                       int64_t bc, int64_t gc, float *amax) {
     int64_t gr = (rows + br - 1) / br;
     uint32_t *grid = (uint32_t *)amax; /* non-negative floats order as their bit patterns */
     memset(grid, 0, (size_t)(gr * gc) * sizeof(uint32_t));
@@ -92,7 +102,7 @@ int mixprec_fp8_amax(const void *x, int bf16, int64_t rows, int64_t cols, int64_
 
 /* The code of the fp32 value y (not NaN) clamped to +-max and rounded to nearest even; *deq is the
  * value of that code. */
-static inline __attribute__((always_inline)) uint8_t encode(float y, Fp8Format f, float *deq) {
+static inline __attribute__((always_inline)) uint8_t encode(float y, Minifloat f, float *deq) {
     const int shift = 23 - f.mbits;
     y = y > f.max ? f.max : (y < -f.max ? -f.max : y);
     uint32_t bits = f2u(y);
@@ -104,32 +114,48 @@ static inline __attribute__((always_inline)) uint8_t encode(float y, Fp8Format f
     uint32_t code = normal ? rounded - f.exp_offset : f2u(sub) - f2u(f.magic);
     float mag = normal ? u2f(rounded << shift) : sub - f.magic;
     *deq = u2f(f2u(mag) | sign);
-    return (uint8_t)(code | (sign >> 24));
+    return (uint8_t)(code | (sign >> f.sign_shift));
 }
 
 /* q = encode(x / s) for one run of elements sharing the scale s; with_stats adds sum x^2 and
  * sum (x - deq * s)^2 to sums[0], sums[1]. bf16 and with_stats are constants at each call: the
- * compiler makes one vectorized loop per combination (and drops the decode without the statistics). Returns 1 when an input is NaN or inf (the caller then takes the torch path). */
+ * compiler makes one vectorized loop per combination (and drops the decode without the statistics).
+ * Codes go one a byte to out[j], or (packed: E2M1, j0 and j1 even) two a byte to out[j / 2], element
+ * 2i in the low nibble. Returns 1 when an input is NaN or inf (the caller then takes the torch path). */
 static inline __attribute__((always_inline)) int quantize_run(const void *restrict row, const int bf16,
                                                                 int64_t j0, int64_t j1, float s,
-                                                                Fp8Format f, uint8_t *restrict out,
-                                                                double *sums, const int with_stats) {
+                                                                Minifloat f, uint8_t *restrict out,
+                                                                const int packed, double *sums,
+                                                                const int with_stats) {
     double ref_d = 0.0, err_d = 0.0;
     int nonfinite = 0;
     const int64_t chunk = 256; /* fp32 partial sums over at most 256 elements, then double */
     for (int64_t c0 = j0; c0 < j1; c0 += chunk) {
         int64_t c1 = c0 + chunk < j1 ? c0 + chunk : j1;
         float ref = 0.0f, err = 0.0f;
+        if (packed) {
 #pragma omp simd reduction(+ : ref, err) reduction(| : nonfinite)
-        for (int64_t j = c0; j < c1; j++) {
-            float xv = load(row, bf16, j), deq;
-            float y = xv / s;
-            nonfinite |= !(xv - xv == 0.0f); /* inf or NaN */
-            out[j] = encode(y, f, &deq);
-            if (with_stats) {
-                float e = xv - deq * s;
-                ref += xv * xv;
-                err += e * e;
+            for (int64_t p = c0 / 2; p < c1 / 2; p++) {
+                float x0 = load(row, bf16, 2 * p), x1 = load(row, bf16, 2 * p + 1), d0, d1;
+                nonfinite |= !(x0 - x0 == 0.0f) | !(x1 - x1 == 0.0f); /* inf or NaN */
+                out[p] = (uint8_t)(encode(x0 / s, f, &d0) | (encode(x1 / s, f, &d1) << 4));
+                if (with_stats) {
+                    float e0 = x0 - d0 * s, e1 = x1 - d1 * s;
+                    ref += x0 * x0 + x1 * x1;
+                    err += e0 * e0 + e1 * e1;
+                }
+            }
+        } else {
+#pragma omp simd reduction(+ : ref, err) reduction(| : nonfinite)
+            for (int64_t j = c0; j < c1; j++) {
+                float xv = load(row, bf16, j), deq;
+                nonfinite |= !(xv - xv == 0.0f); /* inf or NaN */
+                out[j] = encode(xv / s, f, &deq);
+                if (with_stats) {
+                    float e = xv - deq * s;
+                    ref += xv * xv;
+                    err += e * e;
+                }
             }
         }
         if (with_stats && !(ref - ref == 0.0f && err - err == 0.0f)) { /* fp32 squares overflowed */
@@ -153,27 +179,30 @@ static inline __attribute__((always_inline)) int quantize_run(const void *restri
 }
 
 /* The payload of x (rows x cols, row stride ld elements) with scale[i / br][j / bc] (gc scale columns)
- * into out (row stride ldo bytes); sums (double[2]) or NULL. Returns 1 when x holds NaN or inf (out is
- * then incomplete: the caller takes the torch path), else 0. */
-int mixprec_fp8_quantize(const void *x, int bf16, int mbits, int64_t rows, int64_t cols, int64_t ld,
-                          const float *scale, int64_t br, int64_t bc, int64_t gc, uint8_t *out,
-                          int64_t ldo, double *sums) {
-    Fp8Format f = fp8_format(mbits);
+ * into out (row stride ldo bytes; packed: E2M1 two codes a byte, cols and bc even); sums (double[2])
+ * or NULL. Returns 1 when x holds NaN or inf (out is then incomplete: the caller takes the torch
+ * path), else 0. */
+int mixprec_quantize(const void *x, int bf16, int mbits, int64_t rows, int64_t cols, int64_t ld,
+                     const float *scale, int64_t br, int64_t bc, int64_t gc, uint8_t *out, int64_t ldo,
+                     int packed, double *sums) {
+    Minifloat f = minifloat(mbits);
     int nonfinite = 0;
     if (sums) sums[0] = sums[1] = 0.0;
     for (int64_t i = 0; i < rows; i++) {
         const char *row = (const char *)x + i * ld * (bf16 ? 2 : 4);
         const float *srow = scale + (i / br) * gc;
+        uint8_t *o = out + i * ldo;
         for (int64_t j0 = 0, b = 0; j0 < cols; j0 += bc, b++) {
             int64_t j1 = j0 + bc < cols ? j0 + bc : cols;
-            uint8_t *o = out + i * ldo;
             float sc = srow[b];
+#define RUN(BF16, PACKED)                                                                      \
+    (sums ? quantize_run(row, BF16, j0, j1, sc, f, o, PACKED, sums, 1)                        \
+          : quantize_run(row, BF16, j0, j1, sc, f, o, PACKED, NULL, 0))
             if (bf16)
-                nonfinite |= sums ? quantize_run(row, 1, j0, j1, sc, f, o, sums, 1)
-                                  : quantize_run(row, 1, j0, j1, sc, f, o, NULL, 0);
+                nonfinite |= packed ? RUN(1, 1) : RUN(1, 0);
             else
-                nonfinite |= sums ? quantize_run(row, 0, j0, j1, sc, f, o, sums, 1)
-                                  : quantize_run(row, 0, j0, j1, sc, f, o, NULL, 0);
+                nonfinite |= packed ? RUN(0, 1) : RUN(0, 0);
+#undef RUN
         }
         if (nonfinite) return 1;
     }

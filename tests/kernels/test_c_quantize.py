@@ -1,9 +1,9 @@
-"""The compiled FP8 quantize (kernels.c_fp8, the tiled backend's fast path) gives the eager backend's
-payloads and scales bit for bit: at every E4M3 / E5M2 rounding boundary (each code's value, the ties
-between neighbours and one fp32 ulp either side, the subnormals, past the max), over a dense sweep of
-fp32 patterns, over granularities x dtypes x computed / given / power-of-two scales, for rows with a
-stride; its statistics match the torch code's; NaN and inf hand the tensor back to the torch code; and
-it says why when it is not used."""
+"""The compiled quantize (kernels.c_quantize, the tiled backend's fast path) gives the eager backend's
+payloads and scales bit for bit: at every E4M3 / E5M2 / E2M1 rounding boundary (each code's value, the
+ties between neighbours and one fp32 ulp either side, the subnormals, past the max), over a dense sweep
+of fp32 patterns, over granularities x dtypes x computed / given / power-of-two scales, NVFP4 with its
+global scale, E2M1 packed two a byte, rows with a stride; its statistics match the torch code's; NaN
+and inf hand the tensor back to the torch code; and it says why when it is not used."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import math
 import pytest
 import torch
 
-from mixprec.formats import E4M3, E5M2
-from mixprec.kernels import c_fp8
+from mixprec.formats import E2M1, E4M3, E5M2, pack_nibbles
+from mixprec.kernels import c_quantize
 from mixprec.quantization import quantize, quantize_with_stats
 from mixprec.scaling import Granularity as G
 
 pytestmark = pytest.mark.skipif(
-    c_fp8.unavailable_reason() is not None, reason=f"compiled FP8 quantize: {c_fp8.unavailable_reason()}"
+    c_quantize.unavailable_reason() is not None,
+    reason=f"compiled FP8 quantize: {c_quantize.unavailable_reason()}",
 )
-FORMATS = [E4M3, E5M2]
+FORMATS = [E4M3, E5M2, E2M1]
 GRANULARITIES = [
     G.tensor(),
     G.rows(),
@@ -33,11 +34,12 @@ GRANULARITIES = [
 ]
 
 
-def _compiled(x, fmt, g, scale=None, margin=0, power_of_two=False, stats=False):
-    assert c_fp8.takes(x, fmt, g, None)
-    done = c_fp8.quantize_fp8(
-        x, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, out=None, stats=stats
-    )
+def _compiled(x, fmt, g, scale=None, margin=0, power_of_two=False, stats=False, global_scale=None, out=None):
+    assert c_quantize.takes(x, fmt, g, out)
+    done = c_quantize.quantize_compiled(
+        x, fmt, g, scale=scale, margin=margin, power_of_two=power_of_two, out=out, stats=stats,
+        global_scale=global_scale,
+    )  # fmt: skip
     assert done is not None
     return done
 
@@ -49,7 +51,10 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 def _boundaries(fmt) -> torch.Tensor:
     """Every code's value, the midpoints between neighbouring values (ties), and the fp32 neighbours of
     both, both signs, up to twice the max (saturation), and +-0."""
-    values = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).float()
+    if fmt.torch_dtype is None:  # E2M1: its eight magnitudes
+        values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    else:
+        values = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).float()
     values = values[torch.isfinite(values) & (values >= 0)].unique()  # sorted, non-negative
     mids = (values[1:] + values[:-1]) / 2  # exact in fp32
     points = torch.cat([values, mids, values * 1.5, values * 2, torch.tensor([fmt.max * 2, 1e30])])
@@ -65,7 +70,8 @@ def test_every_rounding_boundary_rounds_as_torch(fmt):
     data, _, _ = _compiled(x, fmt, G.tensor(), scale=torch.ones(1, 1))
     assert torch.equal(_codes(data), _codes(want.data))
     negative_zero = x[0].view(torch.int32) == -(2**31)
-    assert negative_zero.any() and bool((_codes(data)[0, negative_zero] == 0x80).all())  # its sign kept
+    sign = 0x80 if fmt.bits == 8 else 0x08
+    assert negative_zero.any() and bool((_codes(data)[0, negative_zero] == sign).all())  # its sign kept
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -112,15 +118,44 @@ def test_rows_with_a_stride():
     assert torch.equal(_codes(data), _codes(want.data)) and torch.equal(scale, want.scale)
 
 
-@pytest.mark.parametrize("g", [G.rows(), G.blocks(128, 128)], ids=lambda g: g.name)
-def test_statistics_match_the_torch_code(monkeypatch, g):
-    x = _weights((130, 300), torch.bfloat16, seed=3)
-    x[5, :4] = torch.tensor([3e19, -1e25, 2e30, 1e38])  # squares past fp32's range: redone in double
-    _, _, got = _compiled(x, E4M3, g, stats=True)
-    monkeypatch.setattr(c_fp8, "takes", lambda *a: False)  # the tiled backend's torch code
-    _, want = quantize_with_stats(x, E4M3, g, backend="tiled")
+@pytest.mark.parametrize(
+    "fmt,g", [(E4M3, G.rows()), (E4M3, G.blocks(128, 128)), (E2M1, G.nvfp4()), (E2M1, G.mx(32))], ids=str
+)
+def test_statistics_match_the_torch_code(monkeypatch, fmt, g):
+    x = _weights((130, 320), torch.bfloat16, seed=3)
+    if fmt is E4M3:  # squares past fp32's range: redone in double (NVFP4's torch code gives NaN there)
+        x[5, :4] = torch.tensor([3e19, -1e25, 2e30, 1e38])
+    gs = quantize(x, fmt, g, backend="eager").global_scale
+    _, _, got = _compiled(x, fmt, g, stats=True, global_scale=gs)
+    monkeypatch.setattr(c_quantize, "takes", lambda *a: False)  # the tiled backend's torch code
+    _, want = quantize_with_stats(x, fmt, g, backend="tiled", global_scale=gs)
     assert got[0] == want.amax
     assert math.isfinite(got[1]) and got[1] == pytest.approx(want.relative_error, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [G.nvfp4(), G.nvfp4(scale_math="input"), G.nvfp4(16, 16)], ids=lambda g: g.name)
+def test_nvfp4_with_its_global_scale_and_packed(g, dtype):
+    for shape in [(37, 320), (130, 64)]:
+        x = _weights(shape, dtype, seed=5)
+        want = quantize(x, E2M1, g, backend="eager")
+        gs = want.global_scale
+        data, scale, _ = _compiled(x, E2M1, g, global_scale=gs)
+        assert torch.equal(data, want.data) and torch.equal(scale, want.scale)
+        packed = torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8)
+        data, scale, _ = _compiled(x, E2M1, g, global_scale=gs, out=packed)
+        assert data is packed and torch.equal(packed, pack_nibbles(want.data))
+        given = quantize(x, E2M1, g, scale=want.scale, global_scale=gs * 2, backend="eager")
+        data, scale, _ = _compiled(x, E2M1, g, scale=want.scale, global_scale=gs * 2)
+        assert torch.equal(data, given.data) and torch.equal(scale, given.scale)
+
+
+def test_packing_needs_even_runs():
+    x = _weights((8, 10), torch.float32)
+    packed = torch.empty(8, 5, dtype=torch.uint8)
+    assert c_quantize.takes(x, E2M1, G.rows(), packed)
+    assert not c_quantize.takes(x, E2M1, G.blocks(1, 5), packed)  # a pair would straddle two scales
+    assert not c_quantize.takes(x, E4M3, G.rows(), packed)  # FP8 is never packed
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -128,7 +163,7 @@ def test_nan_and_inf_hand_the_tensor_back(bad):
     x = _weights((16, 64), torch.float32)
     x[7, 9] = bad
     for scale, stats in ((None, False), (torch.ones(16, 1), False), (torch.ones(16, 1), True)):
-        got = c_fp8.quantize_fp8(
+        got = c_quantize.quantize_compiled(
             x, E4M3, G.rows(), scale=scale, margin=0, power_of_two=False, out=None, stats=stats
         )
         assert got is None
@@ -141,22 +176,22 @@ def test_says_why_it_is_not_used(monkeypatch, tmp_path):
                      ({"CC": "/bin/false", "MIXPREC_CACHE_DIR": str(tmp_path)}, "failed")):  # fmt: skip
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        c_fp8._load.cache_clear()
+        c_quantize._load.cache_clear()
         try:
-            assert why in c_fp8.unavailable_reason()
-            assert not c_fp8.takes(_weights((4, 8), torch.float32), E4M3, G.rows(), None)
+            assert why in c_quantize.unavailable_reason()
+            assert not c_quantize.takes(_weights((4, 8), torch.float32), E4M3, G.rows(), None)
             assert not list(tmp_path.rglob("*.tmp"))  # nothing half-written is left
         finally:
             for k in env:
                 monkeypatch.delenv(k)
-            c_fp8._load.cache_clear()
-    assert c_fp8.unavailable_reason() is None
+            c_quantize._load.cache_clear()
+    assert c_quantize.unavailable_reason() is None
 
 
 def test_declines_what_it_does_not_take():
     x = _weights((16, 64), torch.float32)
-    assert not c_fp8.takes(x.half(), E4M3, G.rows(), None)  # fp16 input
-    assert not c_fp8.takes(x.t(), E4M3, G.rows(), None)  # column-major
-    assert not c_fp8.takes(x[:1].expand(16, 64), E4M3, G.rows(), None)  # every row the same memory
-    assert not c_fp8.takes(x, E4M3, G.nvfp4(), None)  # E4M3 block scales with a global scale
-    assert not c_fp8.takes(x, E4M3, G.rows(), torch.empty(16, 64))  # an fp32 out
+    assert not c_quantize.takes(x.half(), E4M3, G.rows(), None)  # fp16 input
+    assert not c_quantize.takes(x.t(), E4M3, G.rows(), None)  # column-major
+    assert not c_quantize.takes(x[:1].expand(16, 64), E4M3, G.rows(), None)  # every row the same memory
+    assert not c_quantize.takes(x.double(), E4M3, G.rows(), None)  # fp64 input
+    assert not c_quantize.takes(x, E4M3, G.rows(), torch.empty(16, 64))  # an fp32 out
