@@ -145,7 +145,9 @@ def one_round(
             plain = root / f"mixprec-{scheme}-torch"
             off = ["env", "MIXPREC_C_KERNELS=off", *cmd[:7], str(plain), *cmd[8:]]
             got[f"mixprec {scheme}, torch quantize"] = measure(off, root / "log.txt", model)
-            got[f"same bytes {scheme}, compiled C and torch quantize"] = (digest(out) == digest(plain), [])
+            ours, theirs = digest(out), digest(plain)
+            differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            got[f"same bytes {scheme}, compiled C and torch quantize"] = (not differ, differ)
             shutil.rmtree(plain)
         if llmc is not None:
             ref = root / f"llmc-{scheme}"

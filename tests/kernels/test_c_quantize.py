@@ -19,7 +19,7 @@ from mixprec.scaling import Granularity as G
 
 pytestmark = pytest.mark.skipif(
     c_quantize.unavailable_reason() is not None,
-    reason=f"compiled FP8 quantize: {c_quantize.unavailable_reason()}",
+    reason=f"compiled quantize: {c_quantize.unavailable_reason()}",
 )
 FORMATS = [E4M3, E5M2, E2M1]
 GRANULARITIES = [
@@ -150,12 +150,14 @@ def test_nvfp4_with_its_global_scale_and_packed(g, dtype):
         assert torch.equal(data, given.data) and torch.equal(scale, given.scale)
 
 
-def test_packing_needs_even_runs():
+def test_packing_needs_an_even_width_only():
     x = _weights((8, 10), torch.float32)
     packed = torch.empty(8, 5, dtype=torch.uint8)
-    assert c_quantize.takes(x, E2M1, G.rows(), packed)
-    assert not c_quantize.takes(x, E2M1, G.blocks(1, 5), packed)  # a pair would straddle two scales
+    data, scale, _ = _compiled(x, E2M1, G.blocks(1, 5), out=packed)  # pairs straddle two scales
+    want = quantize(x, E2M1, G.blocks(1, 5), backend="eager")
+    assert torch.equal(packed, pack_nibbles(want.data)) and torch.equal(scale, want.scale)
     assert not c_quantize.takes(x, E4M3, G.rows(), packed)  # FP8 is never packed
+    assert not c_quantize.takes(x[:, :9], E2M1, G.rows(), torch.empty(8, 4, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -136,8 +136,7 @@ def _out_layout(x2: torch.Tensor, fmt: Format, g: Granularity, out: torch.Tensor
         return None
     if tuple(out.shape) == (rows, cols):
         return "codes"
-    even_runs = cols % 2 == 0 and (g.block_cols is None or g.block_cols % 2 == 0)
-    return "packed" if fmt.bits == 4 and even_runs and tuple(out.shape) == (rows, cols // 2) else None
+    return "packed" if fmt.bits == 4 and cols % 2 == 0 and tuple(out.shape) == (rows, cols // 2) else None
 
 
 def quantize_compiled(

@@ -436,7 +436,7 @@ def describe_report(report: dict) -> list[tuple[str, str]]:
         if entry.get("note"):
             text += f" — {entry['note']}"
         rows.append((f"{'FP4' if 'fp4' in kind else 'FP8'} GEMM {kind}", text))
-    rows.append(("FP8 quantize", report["quantize"]["backend"]))
+    rows.append(("quantize", report["quantize"]["backend"]))
     rows.append(("triton", report["triton"] or "not installed"))
     return rows
 

@@ -64,35 +64,50 @@ static inline float load(const void *row, int bf16, int64_t j) {
     return ((const float *)row)[j];
 }
 
+/* max |x| of the elements j0 <= j < j0 + n of a row, as a bit pattern (non-negative floats order as
+ * their patterns; NaN's lie above inf's). n is a constant at the calls for the small blocks (16, 32):
+ * the compiler unrolls those into a few vector operations instead of a loop with a remainder. */
+static inline __attribute__((always_inline)) uint32_t absmax_bits(const void *row, const int bf16,
+                                                                  int64_t j0, int64_t n) {
+    uint32_t m = 0;
+    if (bf16) {
+        const uint16_t *r = (const uint16_t *)row + j0;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; j++) {
+            uint32_t a = (uint32_t)(r[j] & 0x7FFF) << 16;
+            m = a > m ? a : m;
+        }
+    } else {
+        const uint32_t *r = (const uint32_t *)row + j0;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; j++) {
+            uint32_t a = r[j] & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+        }
+    }
+    return m;
+}
+
 /* Per-block max |x| into amax (fp32, gr x gc, zeroed here). Returns 1 when any element is NaN or inf
  * (the caller then quantizes on the torch path), else 0. */
 int mixprec_block_amax(const void *x, int bf16, int64_t rows, int64_t cols, int64_t ld, int64_t br,
                        int64_t bc, int64_t gc, float *amax) {
     int64_t gr = (rows + br - 1) / br;
-    uint32_t *grid = (uint32_t *)amax; /* non-negative floats order as their bit patterns */
+    uint32_t *grid = (uint32_t *)amax;
     memset(grid, 0, (size_t)(gr * gc) * sizeof(uint32_t));
     uint32_t worst = 0;
     for (int64_t i = 0; i < rows; i++) {
         const char *row = (const char *)x + i * ld * (bf16 ? 2 : 4);
         uint32_t *g = grid + (i / br) * gc;
         for (int64_t j0 = 0, b = 0; j0 < cols; j0 += bc, b++) {
-            int64_t j1 = j0 + bc < cols ? j0 + bc : cols;
-            uint32_t m = 0;
-            if (bf16) {
-                const uint16_t *r = (const uint16_t *)row;
-#pragma omp simd reduction(max : m)
-                for (int64_t j = j0; j < j1; j++) {
-                    uint32_t a = (uint32_t)(r[j] & 0x7FFF) << 16;
-                    m = a > m ? a : m;
-                }
-            } else {
-                const uint32_t *r = (const uint32_t *)row;
-#pragma omp simd reduction(max : m)
-                for (int64_t j = j0; j < j1; j++) {
-                    uint32_t a = r[j] & 0x7FFFFFFFu;
-                    m = a > m ? a : m;
-                }
-            }
+            int64_t n = j0 + bc < cols ? bc : cols - j0;
+            uint32_t m;
+            if (n == 16)
+                m = bf16 ? absmax_bits(row, 1, j0, 16) : absmax_bits(row, 0, j0, 16);
+            else if (n == 32)
+                m = bf16 ? absmax_bits(row, 1, j0, 32) : absmax_bits(row, 0, j0, 32);
+            else
+                m = bf16 ? absmax_bits(row, 1, j0, n) : absmax_bits(row, 0, j0, n);
             if (m > g[b]) g[b] = m;
             if (m > worst) worst = m;
         }
@@ -117,92 +132,86 @@ static inline __attribute__((always_inline)) uint8_t encode(float y, Minifloat f
     return (uint8_t)(code | (sign >> f.sign_shift));
 }
 
-/* q = encode(x / s) for one run of elements sharing the scale s; with_stats adds sum x^2 and
- * sum (x - deq * s)^2 to sums[0], sums[1]. bf16 and with_stats are constants at each call: the
+#define CHUNK 256 /* elements of a row per step: fp32 partial sums over at most this many, then double */
+
+/* q = encode(x / s) for the elements c0 <= j < c1 of a row, s = sv[j - c0]; with_stats adds sum x^2 and
+ * sum (x - deq * s)^2 to sums[0], sums[1]. bf16, packed and with_stats are constants at each call: the
  * compiler makes one vectorized loop per combination (and drops the decode without the statistics).
- * Codes go one a byte to out[j], or (packed: E2M1, j0 and j1 even) two a byte to out[j / 2], element
+ * Codes go one a byte to out[j], or (packed: E2M1, c0 and c1 even) two a byte to out[j / 2], element
  * 2i in the low nibble. Returns 1 when an input is NaN or inf (the caller then takes the torch path). */
-static inline __attribute__((always_inline)) int quantize_run(const void *restrict row, const int bf16,
-                                                                int64_t j0, int64_t j1, float s,
-                                                                Minifloat f, uint8_t *restrict out,
-                                                                const int packed, double *sums,
-                                                                const int with_stats) {
-    double ref_d = 0.0, err_d = 0.0;
+static inline __attribute__((always_inline)) int quantize_chunk(const void *restrict row, const int bf16,
+                                                                  int64_t c0, int64_t c1,
+                                                                  const float *restrict sv, Minifloat f,
+                                                                  uint8_t *restrict out, const int packed,
+                                                                  double *sums, const int with_stats) {
     int nonfinite = 0;
-    const int64_t chunk = 256; /* fp32 partial sums over at most 256 elements, then double */
-    for (int64_t c0 = j0; c0 < j1; c0 += chunk) {
-        int64_t c1 = c0 + chunk < j1 ? c0 + chunk : j1;
-        float ref = 0.0f, err = 0.0f;
-        if (packed) {
+    float ref = 0.0f, err = 0.0f;
+    uint8_t codes[CHUNK]; /* packed: the chunk's codes one a byte, then two a byte into out */
+    uint8_t *dst = packed ? codes : out;
+    const int64_t base = packed ? c0 : 0;
 #pragma omp simd reduction(+ : ref, err) reduction(| : nonfinite)
-            for (int64_t p = c0 / 2; p < c1 / 2; p++) {
-                float x0 = load(row, bf16, 2 * p), x1 = load(row, bf16, 2 * p + 1), d0, d1;
-                nonfinite |= !(x0 - x0 == 0.0f) | !(x1 - x1 == 0.0f); /* inf or NaN */
-                out[p] = (uint8_t)(encode(x0 / s, f, &d0) | (encode(x1 / s, f, &d1) << 4));
-                if (with_stats) {
-                    float e0 = x0 - d0 * s, e1 = x1 - d1 * s;
-                    ref += x0 * x0 + x1 * x1;
-                    err += e0 * e0 + e1 * e1;
-                }
-            }
-        } else {
-#pragma omp simd reduction(+ : ref, err) reduction(| : nonfinite)
-            for (int64_t j = c0; j < c1; j++) {
-                float xv = load(row, bf16, j), deq;
-                nonfinite |= !(xv - xv == 0.0f); /* inf or NaN */
-                out[j] = encode(xv / s, f, &deq);
-                if (with_stats) {
-                    float e = xv - deq * s;
-                    ref += xv * xv;
-                    err += e * e;
-                }
-            }
+    for (int64_t j = c0; j < c1; j++) {
+        float xv = load(row, bf16, j), s = sv[j - c0], deq;
+        nonfinite |= !(xv - xv == 0.0f); /* inf or NaN */
+        dst[j - base] = encode(xv / s, f, &deq);
+        if (with_stats) {
+            float e = xv - deq * s;
+            ref += xv * xv;
+            err += e * e;
         }
-        if (with_stats && !(ref - ref == 0.0f && err - err == 0.0f)) { /* fp32 squares overflowed */
-            ref = err = 0.0f;
-            for (int64_t j = c0; j < c1; j++) {
-                float xv = load(row, bf16, j), deq;
-                encode(xv / s, f, &deq);
-                double e = (double)xv - (double)deq * s; /* exact product */
-                ref_d += (double)xv * xv;
-                err_d += e * e;
-            }
+    }
+    if (packed) {
+        for (int64_t p = 0; p < (c1 - c0) / 2; p++)
+            out[c0 / 2 + p] = (uint8_t)(codes[2 * p] | (codes[2 * p + 1] << 4));
+    }
+    if (!with_stats) return nonfinite;
+    double ref_d = ref, err_d = err;
+    if (!(ref - ref == 0.0f && err - err == 0.0f)) { /* fp32 squares overflowed: again in double */
+        ref_d = err_d = 0.0;
+        for (int64_t j = c0; j < c1; j++) {
+            float xv = load(row, bf16, j), s = sv[j - c0], deq;
+            encode(xv / s, f, &deq);
+            double e = (double)xv - (double)deq * s; /* exact product */
+            ref_d += (double)xv * xv;
+            err_d += e * e;
         }
-        ref_d += ref;
-        err_d += err;
     }
-    if (with_stats) {
-        sums[0] += ref_d;
-        sums[1] += err_d;
-    }
+    sums[0] += ref_d;
+    sums[1] += err_d;
     return nonfinite;
 }
 
 /* The payload of x (rows x cols, row stride ld elements) with scale[i / br][j / bc] (gc scale columns)
- * into out (row stride ldo bytes; packed: E2M1 two codes a byte, cols and bc even); sums (double[2])
- * or NULL. Returns 1 when x holds NaN or inf (out is then incomplete: the caller takes the torch
- * path), else 0. */
+ * into out (row stride ldo bytes; packed: E2M1 two codes a byte, cols even); sums (double[2]) or NULL.
+ * Each chunk of a row gets its scales expanded per element first (a broadcast store per block), so
+ * blocks of 16 or 32 cost no more than one scale per row. Returns 1 when x holds NaN or inf (out is
+ * then incomplete: the caller takes the torch path), else 0. */
 int mixprec_quantize(const void *x, int bf16, int mbits, int64_t rows, int64_t cols, int64_t ld,
                      const float *scale, int64_t br, int64_t bc, int64_t gc, uint8_t *out, int64_t ldo,
                      int packed, double *sums) {
     Minifloat f = minifloat(mbits);
-    int nonfinite = 0;
+    float sv[CHUNK];
     if (sums) sums[0] = sums[1] = 0.0;
     for (int64_t i = 0; i < rows; i++) {
         const char *row = (const char *)x + i * ld * (bf16 ? 2 : 4);
         const float *srow = scale + (i / br) * gc;
         uint8_t *o = out + i * ldo;
-        for (int64_t j0 = 0, b = 0; j0 < cols; j0 += bc, b++) {
-            int64_t j1 = j0 + bc < cols ? j0 + bc : cols;
-            float sc = srow[b];
-#define RUN(BF16, PACKED)                                                                      \
-    (sums ? quantize_run(row, BF16, j0, j1, sc, f, o, PACKED, sums, 1)                        \
-          : quantize_run(row, BF16, j0, j1, sc, f, o, PACKED, NULL, 0))
+        int nonfinite = 0;
+        for (int64_t c0 = 0; c0 < cols; c0 += CHUNK) {
+            int64_t c1 = c0 + CHUNK < cols ? c0 + CHUNK : cols;
+            for (int64_t k = c0; k < c1;) { /* the chunk's scales, one per element */
+                int64_t b = k / bc, end = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
+                float sc = srow[b];
+                for (; k < end; k++) sv[k - c0] = sc;
+            }
+#define CHUNK_(BF16, PACKED)                                                                   \
+    (sums ? quantize_chunk(row, BF16, c0, c1, sv, f, o, PACKED, sums, 1)                      \
+          : quantize_chunk(row, BF16, c0, c1, sv, f, o, PACKED, NULL, 0))
             if (bf16)
-                nonfinite |= packed ? RUN(1, 1) : RUN(1, 0);
+                nonfinite |= packed ? CHUNK_(1, 1) : CHUNK_(1, 0);
             else
-                nonfinite |= packed ? RUN(0, 1) : RUN(0, 0);
-#undef RUN
+                nonfinite |= packed ? CHUNK_(0, 1) : CHUNK_(0, 0);
+#undef CHUNK_
         }
         if (nonfinite) return 1;
     }
