@@ -13,6 +13,9 @@ the benchmark also prints a ratio to a baseline measured in the same run (bench_
 x.to(float8); the training step: x fp32), that ratio is compared too: it cancels the load a run saw,
 which on a shared machine moves whole runs by 10-20 %. Each tree runs with `<tree>/.venv/bin/python` (override with --python-old / --python-new)
 from the tree's root, with PYTHONDONTWRITEBYTECODE=1 so the old checkout is left as it is.
+--env-old / --env-new VAR=VALUE set variables for one side: a tree against itself with a switch, e.g.
+
+    python bench/compare_commits.py . . --env-old MIXPREC_C_KERNELS=off --bench "bench_training_step.py --quick"
 """
 
 from __future__ import annotations
@@ -74,11 +77,15 @@ def parse_tables(text: str) -> dict[str, tuple[float, float | None]]:
     return rows
 
 
-def run_bench(tree: Path, python: str, bench: str) -> tuple[dict[str, tuple[float, float | None]], float]:
-    """One run of `bench` (script and arguments) in `tree`: its rows and the 1-minute load at the start."""
+def run_bench(
+    tree: Path, python: str, bench: str, extra_env: dict[str, str] | None = None
+) -> tuple[dict[str, tuple[float, float | None]], float]:
+    """One run of `bench` (script and arguments) in `tree`: its rows and the 1-minute load at the start.
+    extra_env: variables set for this run (after PYTHONPATH is cleared, so it may set one)."""
     script, *args = shlex.split(bench)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
     env.pop("PYTHONPATH", None)
+    env.update(extra_env or {})
     load = os.getloadavg()[0]
     out = subprocess.run(
         [python, str(tree / "bench" / script), *args], cwd=tree, env=env, capture_output=True, text=True
@@ -100,7 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-old", help="interpreter for the old tree (default <old>/.venv/bin/python)")
     parser.add_argument("--python-new", help="interpreter for the new tree (default <new>/.venv/bin/python)")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    for which in ("old", "new"):
+        parser.add_argument(
+            f"--env-{which}",
+            action="append",
+            default=[],
+            metavar="VAR=VALUE",
+            help=f"set VAR for the {which} tree's runs (repeatable): one tree against itself with a switch",
+        )
     args = parser.parse_args(argv)
+    envs = {w: dict(kv.split("=", 1) for kv in getattr(args, f"env_{w}")) for w in ("old", "new")}
 
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     pythons = {
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         order = ("old", "new") if r % 2 == 0 else ("new", "old")
         for bench in benches:
             for which in order:
-                rows, load = run_bench(trees[which], pythons[which], bench)
+                rows, load = run_bench(trees[which], pythons[which], bench, envs[which])
                 loads.append(load)
                 for key, (ms, ratio) in rows.items():
                     times[bench].setdefault(key, {"old": [], "new": []})[which].append(ms)
@@ -125,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         ratios[bench].setdefault(key, {"old": [], "new": []})[which].append(ratio)
         print(f"round {r + 1}/{args.rounds} done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
 
-    print(f"old: {trees['old']}\nnew: {trees['new']}")
+    print(f"old: {trees['old']} {envs['old'] or ''}\nnew: {trees['new']} {envs['new'] or ''}")
     print(f"{args.rounds} interleaved rounds; 1-minute load at the runs' starts: "
           f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}")  # fmt: skip
     for bench in benches:

@@ -1,9 +1,10 @@
 """The compiled quantize (kernels.c_quantize, the tiled backend's fast path) gives the eager backend's
 payloads and scales bit for bit: at every E4M3 / E5M2 / E2M1 rounding boundary (each code's value, the
 ties between neighbours and one fp32 ulp either side, the subnormals, past the max), over a dense sweep
-of fp32 patterns, over granularities x dtypes x computed / given / power-of-two scales, NVFP4 with its
-global scale, E2M1 packed two a byte, rows with a stride; its statistics match the torch code's; NaN
-and inf hand the tensor back to the torch code; and it says why when it is not used."""
+of fp32 patterns, over granularities x dtypes x computed / given / power-of-two scales, in one slab of
+rows or many, NVFP4 with its global scale, E2M1 packed two a byte, rows with a stride; its statistics
+match the torch code's; NaN and inf hand the tensor back to the torch code; and it says why when it is
+not used."""
 
 from __future__ import annotations
 
@@ -93,10 +94,12 @@ def _weights(shape, dtype, seed=0) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("slab", [c_quantize.SLAB_ELEMENTS, 600])  # 600: a slab per few block rows
 @pytest.mark.parametrize("g", GRANULARITIES, ids=lambda g: g.name)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bit_identical_to_eager_over_granularities(fmt, g, dtype):
+def test_bit_identical_to_eager_over_granularities(monkeypatch, fmt, g, dtype, slab):
+    monkeypatch.setattr(c_quantize, "SLAB_ELEMENTS", slab)
     for shape in [(37, 300), (130, 64)]:
         x = _weights(shape, dtype)
         options = [{}, {"power_of_two": True, "margin": 1}] if g.scale_format == "fp32" else [{}]
@@ -122,6 +125,7 @@ def test_rows_with_a_stride():
     "fmt,g", [(E4M3, G.rows()), (E4M3, G.blocks(128, 128)), (E2M1, G.nvfp4()), (E2M1, G.mx(32))], ids=str
 )
 def test_statistics_match_the_torch_code(monkeypatch, fmt, g):
+    monkeypatch.setattr(c_quantize, "SLAB_ELEMENTS", 5000)  # the sums of several slabs
     x = _weights((130, 320), torch.bfloat16, seed=3)
     if fmt is E4M3:  # squares past fp32's range: redone in double (NVFP4's torch code gives NaN there)
         x[5, :4] = torch.tensor([3e19, -1e25, 2e30, 1e38])
@@ -153,9 +157,9 @@ def test_nvfp4_with_its_global_scale_and_packed(g, dtype):
 def test_packing_needs_an_even_width_only():
     x = _weights((8, 10), torch.float32)
     packed = torch.empty(8, 5, dtype=torch.uint8)
-    data, scale, _ = _compiled(x, E2M1, G.blocks(1, 5), out=packed)  # pairs straddle two scales
+    got, scale, _ = _compiled(x, E2M1, G.blocks(1, 5), out=packed)  # pairs straddle two scales
     want = quantize(x, E2M1, G.blocks(1, 5), backend="eager")
-    assert torch.equal(packed, pack_nibbles(want.data)) and torch.equal(scale, want.scale)
+    assert got is packed and torch.equal(packed, pack_nibbles(want.data)) and torch.equal(scale, want.scale)
     assert not c_quantize.takes(x, E4M3, G.rows(), packed)  # FP8 is never packed
     assert not c_quantize.takes(x[:, :9], E2M1, G.rows(), torch.empty(8, 4, dtype=torch.uint8))
 

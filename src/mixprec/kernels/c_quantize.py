@@ -48,6 +48,7 @@ SOURCE = Path(__file__).with_name("csrc") / "quantize.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared", "-fPIC")
 _MBITS = {"e4m3": 3, "e5m2": 2, "e2m1": 1}  # the formats the C encodes, by mantissa bits
 _INPUTS = (torch.float32, torch.bfloat16)
+SLAB_ELEMENTS = 1 << 22  # rows quantized per C call: whole block rows of about this many elements
 
 
 def unavailable_reason() -> str | None:
@@ -162,8 +163,7 @@ def quantize_compiled(
     grid = g.scale_shape(rows, cols)
     br, bc = g.block_rows or rows, g.block_cols or cols
     bf16, ld = int(x2.dtype == torch.bfloat16), x2.stride(0) if rows > 1 else cols
-    rule = {"global_scale": global_scale.float().reshape(1, 1), "dtype": x2.dtype} if g.scale_format == "e4m3" else {}  # fmt: skip
-    amax = 0.0
+    amax, block_amax = 0.0, None
     if scale is None or stats:
         block_amax = torch.empty(grid, dtype=torch.float32)
         if lib.mixprec_block_amax(
@@ -171,23 +171,41 @@ def quantize_compiled(
         ):
             return None
         amax = float(block_amax.max())
-        if scale is None:
-            scale = scale_from_amax(block_amax, fmt, g, margin, power_of_two, **rule)
-    scale = scale.float().contiguous()
-    divisor = scale / rule["global_scale"] if rule else scale  # NVFP4 divides by block / global, in fp32
     packed = out is not None and _out_layout(x2, fmt, g, out) == "packed"
     data = out if out is not None else torch.empty((rows, cols), dtype=fmt.torch_dtype or torch.uint8)
-    sums = (ctypes.c_double * 2)() if stats else None
-    nonfinite = lib.mixprec_quantize(
-        x2.data_ptr(), bf16, _MBITS[fmt.name], rows, cols, ld, divisor.data_ptr(), br, bc, grid[1],
-        data.data_ptr(), data.shape[1], int(packed), sums,
-    )  # fmt: skip
-    if nonfinite:
-        return None
+    rule = {"margin": margin, "power_of_two": power_of_two}
+    if g.scale_format == "e4m3":
+        rule = {"global_scale": global_scale.float().reshape(1, 1), "dtype": x2.dtype}
+    computed = scale is None
+    scale = torch.empty(grid, dtype=torch.float32) if computed else scale.float().contiguous()
+    sums = [0.0, 0.0]
+    part = (ctypes.c_double * 2)() if stats else None
+    for r0, r1, g0, g1 in _slabs(rows, cols, br):
+        if computed:  # the scale rule is elementwise over the blocks: a slab's scales are its own
+            scale[g0:g1] = scale_from_amax(block_amax[g0:g1], fmt, g, **rule)
+        divisor = scale[g0:g1] / rule["global_scale"] if "global_scale" in rule else scale[g0:g1]
+        divisor = divisor.contiguous()  # NVFP4 divides by block / global, in fp32
+        if lib.mixprec_quantize(
+            x2.data_ptr() + r0 * ld * x2.element_size(), bf16, _MBITS[fmt.name], r1 - r0, cols, ld,
+            divisor.data_ptr(), br, bc, grid[1], data[r0].data_ptr(), data.shape[1], int(packed), part,
+        ):  # fmt: skip
+            return None
+        if stats:
+            sums = [sums[0] + part[0], sums[1] + part[1]]
     if not stats:
         return data, scale, None
-    ref2, err2 = sums[0], sums[1]
-    return data, scale, (amax, (err2 / ref2) ** 0.5 if ref2 > 0 else 0.0)
+    return data, scale, (amax, (sums[1] / sums[0]) ** 0.5 if sums[0] > 0 else 0.0)
+
+
+def _slabs(rows: int, cols: int, br: int):
+    """(first row, end row, first scale row, end scale row) of slabs of about SLAB_ELEMENTS elements,
+    whole block rows each: the scale rule's temporaries stay slab-sized (NVFP4's grid of a 14336 x 4096
+    weight is 3.7M blocks, and its rule makes several temporaries of that size). Blocks that span all
+    rows: one slab."""
+    height = rows if br >= rows else max(br, SLAB_ELEMENTS // max(cols, 1) // br * br)
+    for r0 in range(0, rows, height):
+        r1 = min(rows, r0 + height)
+        yield r0, r1, r0 // br, -(-r1 // br)
 
 
 __all__ = ["quantize_compiled", "takes", "unavailable_reason"]
