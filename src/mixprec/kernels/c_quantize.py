@@ -19,7 +19,8 @@ $MIXPREC_C_KERNELS=off, `unavailable_reason()` says why and every caller keeps t
 
 What it takes (else `takes` is False and the caller runs the torch code): a 2-D CPU fp32 or bf16
 tensor with unit column stride; E4M3, E5M2 or E2M1; fp32, E8M0 (MX) or E4M3-with-a-global-scale
-(NVFP4) scales on any block grid; outside torch.compile. A NaN or inf found by either pass hands the
+(NVFP4) scales on a block grid whose blocks are at least MIN_BLOCK_COLS wide (or the whole row);
+outside torch.compile. A NaN or inf found by either pass hands the
 whole tensor back (quantize_compiled returns None): the torch code has their rules.
 """
 
@@ -49,6 +50,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared"
 _MBITS = {"e4m3": 3, "e5m2": 2, "e2m1": 1}  # the formats the C encodes, by mantissa bits
 _INPUTS = (torch.float32, torch.bfloat16)
 SLAB_ELEMENTS = 1 << 22  # rows quantized per C call: whole block rows of about this many elements
+# The C walks each row block by block: blocks narrower than this (per column, 128 x 1, MX along the
+# rows) cost it a scale lookup and a reduction per few elements, 2-3x slower than the torch code in
+# the transposed operands of a rowwise / blockwise / MX training step (measured 2026-12-07): declined.
+MIN_BLOCK_COLS = 16
 
 
 def unavailable_reason() -> str | None:
@@ -118,6 +123,7 @@ def takes(x2: torch.Tensor, fmt: Format, g: Granularity, out: torch.Tensor | Non
     return (
         fmt.name in _MBITS
         and g.scale_format in ("fp32", "e8m0", "e4m3")
+        and (g.block_cols is None or g.block_cols >= MIN_BLOCK_COLS or g.block_cols >= x2.shape[1])
         and x2.device.type == "cpu"
         and x2.dtype in _INPUTS
         and x2.dim() == 2
