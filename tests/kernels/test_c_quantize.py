@@ -9,6 +9,8 @@ not used."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -203,3 +205,22 @@ def test_declines_what_it_does_not_take():
         assert not c_quantize.takes(x, E4M3, g, None), g.name
     assert c_quantize.takes(x[:, :5], E4M3, G.blocks(3, 5), None)  # a block as wide as the row
     assert not c_quantize.takes(x, E4M3, G.rows(), torch.empty(16, 64))  # an fp32 out
+
+
+def test_builds_without_march_native_where_the_compiler_refuses_it(monkeypatch, tmp_path):
+    compiler = tmp_path / "cc-without-native"
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler.write_text(f'#!/bin/sh\ncase "$*" in *-march=native*) exit 1;; esac\nexec {real} "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path / "cache"))
+    c_quantize._load.cache_clear()
+    try:
+        assert c_quantize.unavailable_reason() is None
+        x = _weights((16, 64), torch.bfloat16)
+        data, scale, _ = _compiled(x, E4M3, G.rows())
+        want = quantize(x, E4M3, G.rows(), backend="eager")
+        assert torch.equal(_codes(data), _codes(want.data)) and torch.equal(scale, want.scale)
+    finally:
+        monkeypatch.undo()
+        c_quantize._load.cache_clear()
