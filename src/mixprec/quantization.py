@@ -28,12 +28,14 @@ inside torch.compile; "triton" on CUDA where triton is installed and its kernels
 the CPU "tiled" for memory from kernels.tiled.TILED_MIN_ELEMENTS elements (an fp32 working copy of
 1 GiB; tiles are not faster than eager there, see kernels.tiled), for NVFP4 from
 kernels.tiled.NVFP4_TILED_MIN_ELEMENTS (eager's whole-tensor temporaries cost more there), always
-for quantize_with_stats, and for every case the compiled C takes (FP8 per tensor, per row and 1 x 128:
-1.4-6x faster than eager from 128 x 128 to 2048 x 4096 on the AVX-512-BF16 EPYC, 2026-12); else "eager". Never "compiled" (its compile time). A forced backend that cannot take the case raises
-MixprecError saying why (`backend_available` asks first). Checks that read a value (the FP6/FP4 NaN
-check, a given global scale) are Python checks raising MixprecError in eager mode and, under
-torch.compile, assertions inside the graph (formats.raise_if): no graph break, the same message (as a
-RuntimeError) when the compiled code meets such an input.
+for quantize_with_stats, and for every case the compiled C takes (FP8 per tensor, per row and 1 x 128
+measured 1.4-6x faster than eager from 128 x 128 to 2048 x 4096 on the AVX-512-BF16 EPYC, 2026-12;
+FP4 training steps unchanged within noise); else "eager". Never "compiled" (its compile time). A
+forced backend that cannot take the case raises MixprecError saying why (`backend_available` asks
+first). Checks that read a value (the FP6/FP4 NaN check, a given global scale) are Python checks
+raising MixprecError in eager mode and, under torch.compile, assertions inside the graph
+(formats.raise_if): no graph break, the same message (as a RuntimeError) when the compiled code
+meets such an input.
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def _packed_out(out: torch.Tensor | None, x2: torch.Tensor, fmt: Format) -> bool
 def _auto(x2: torch.Tensor, fmt: Format, g: Granularity, stats: bool) -> str:
     if torch.compiler.is_compiling():
         return "eager" if g.scale_format == "e4m3" else "traceable"
-    if c_quantize.takes(x2, fmt, g, None):  # compiled C: faster than eager at every size measured
+    if c_quantize.takes(x2, fmt, g, None):  # compiled C: see the module docstring
         return "tiled"
     if g.scale_format == "e4m3":  # NVFP4: eager's whole-tensor temporaries cost more than tiles
         cpu = x2.device.type == "cpu"

@@ -3,7 +3,8 @@
 - quantize backends, chosen by mixprec.quantization.quantize (bit-identical results):
   `traceable` (graph-break-free torch, what torch.compile traces), `compiled` (that code compiled
   by Inductor for the CPU; also graph-break checks), `tiled` (CPU tiles in reused buffers, bounded
-  memory, optional error statistics; NVFP4 and MX included), `triton_quant` (fused Triton kernels for CUDA);
+  memory, optional error statistics; NVFP4 and MX included; its CPU fast path `c_quantize`, C compiled
+  on the machine from csrc/quantize.c), `triton_quant` (fused Triton kernels for CUDA);
 - `codes`: the integer encode of the sub-byte formats (FP4, FP6) that the CPU backends use;
 - GEMM kernels, chosen by mixprec.gemm.scaled_mm: `native` (probed torch._scaled_mm / F.scaled_mm
   scale layouts, the blockwise plan, the kernel report for `mixprec doctor`) and
