@@ -11,6 +11,7 @@ the same path never share one, and file permissions follow the umask as any new 
     with resumable_output_dir(out_dir, work, "output", force, keep) as work: ...   # the same, resumable
     with staged_files(directory) as tmp: ...                     # files (e.g. a graph and its .data) moved in
     check_new_output(path, force)                                # refuse an existing output before any work
+    cache_dir("kernels")                                         # mixprec's cache: $MIXPREC_CACHE_DIR or ~/.cache/mixprec
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mixprec.errors import MixprecError
+
+CACHE_ENV_VAR = "MIXPREC_CACHE_DIR"
+
+
+def cache_dir(*parts: str) -> Path:
+    """A directory under mixprec's cache ($MIXPREC_CACHE_DIR, default ~/.cache/mixprec): local dataset
+    copies (datasets/NAME) and the C kernels compiled on this machine (kernels/). Not created here."""
+    return Path(os.environ.get(CACHE_ENV_VAR) or "~/.cache/mixprec").expanduser().joinpath(*parts)
 
 
 def check_new_output(

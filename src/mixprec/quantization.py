@@ -70,6 +70,7 @@ from mixprec.scaling import (
     block_amax,
     check_scale,
     global_scale_from_amax,
+    packed_payload_shape,
     scale_from_amax,
 )
 
@@ -288,9 +289,10 @@ def _packed_out(out: torch.Tensor | None, x2: torch.Tensor, fmt: Format) -> bool
         return False
     dtype = fmt.torch_dtype or torch.uint8
     rows, cols = x2.shape
-    packed = fmt.bits == 4 and cols % 2 == 0 and tuple(out.shape) == (rows, cols // 2)
+    packed_shape = packed_payload_shape(fmt, rows, cols)
+    packed = packed_shape is not None and tuple(out.shape) == packed_shape
     if out.dtype != dtype or not out.is_contiguous() or not (packed or out.shape == x2.shape):
-        also = f" (or {(rows, cols // 2)}, packed two a byte)" if fmt.bits == 4 and cols % 2 == 0 else ""
+        also = f" (or {packed_shape}, packed two a byte)" if packed_shape else ""
         raise MixprecError(f"out must be a contiguous {dtype} tensor of shape {tuple(x2.shape)}{also}")
     return packed
 

@@ -214,6 +214,12 @@ def _amax(x2: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     return out
 
 
+def packed_payload_shape(fmt: Format, rows: int, cols: int) -> tuple[int, int] | None:
+    """The shape of a [rows, cols] payload whose 4-bit codes are packed two a byte (formats.pack_nibbles),
+    or None where the format is not 4-bit or the width is odd."""
+    return (rows, cols // 2) if fmt.bits == 4 and cols % 2 == 0 else None
+
+
 def block_amax(x2: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """Per-block max |x| over the finite elements, on the scale grid (fp32)."""
     if torch.compiler.is_compiling():  # no data-dependent branch in a graph: always mask (same result)

@@ -11,8 +11,8 @@ payloads are the torch backends' bit for bit (tests/kernels/test_c_quantize.py: 
 boundary of the three formats, granularities, packing; and the tiled backend's tests).
 
 The C source ships with the package and is compiled once per machine with the system's C compiler
-(`$CC`, else `cc`; no torch headers, so it takes well under a second) into
-$MIXPREC_CACHE_DIR (default ~/.cache/mixprec)/kernels, named by a hash of the source, the flags, the
+(`$CC`, else `cc`; no torch headers, so it takes well under a second) into files.cache_dir("kernels")
+($MIXPREC_CACHE_DIR, default ~/.cache/mixprec), named by a hash of the source, the flags, the
 compiler and the CPU, and loaded with ctypes, which releases the GIL during each call: the stream's
 quantize threads run it in parallel. Without a compiler, when the build fails, or with
 $MIXPREC_C_KERNELS=off, `unavailable_reason()` says why and every caller keeps the torch code.
@@ -33,16 +33,15 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from mixprec.files import atomic_file, cache_dir
 from mixprec.formats import Format
-from mixprec.scaling import Granularity, scale_from_amax
+from mixprec.scaling import Granularity, packed_payload_shape, scale_from_amax
 
 ENV_VAR = "MIXPREC_C_KERNELS"
-CACHE_ENV_VAR = "MIXPREC_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "quantize.c"
 # -ffp-contract=off: no product fused into a sum (the payload is a plain division anyway);
 # -fopenmp-simd: the `omp simd` reductions vectorize without the reordering licence of -ffast-math.
@@ -61,11 +60,16 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
+def find_compiler() -> str | None:
+    """The C compiler the build uses: $CC, else `cc`, else `gcc` on the PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get(ENV_VAR, "").strip().lower() in ("off", "0", "no"):
         return None, f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if not compiler:
         return None, "no C compiler found (set $CC, or install gcc or clang)"
     try:
@@ -83,33 +87,26 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU: built unless already cached (written
-    to a temporary name and renamed, so concurrent processes never load a half-written file)."""
+    through files.atomic_file, so concurrent processes never load a half-written file)."""
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_id()]))
-    cache = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "mixprec") / "kernels"
-    path = cache / f"quantize-{key.hexdigest()[:16]}.so"
+    path = cache_dir("kernels", f"quantize-{key.hexdigest()[:16]}.so")
     if path.exists():
         return path
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
-        )
+    with atomic_file(path) as tmp:
+        done = _compile(compiler, FLAGS, tmp)
         if done.returncode != 0:  # a compiler without -march=native: the baseline ISA, still exact
-            portable = [f for f in FLAGS if f != "-march=native"]
-            done = subprocess.run(
-                [compiler, *portable, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
-            )
+            done = _compile(compiler, [f for f in FLAGS if f != "-march=native"], tmp)
         if done.returncode != 0:
             raise OSError(done.stderr or f"exit status {done.returncode}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
+
+
+def _compile(compiler: str, flags, target: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [compiler, *flags, str(SOURCE), "-o", str(target)], capture_output=True, text=True, timeout=120
+    )
 
 
 def _cpu_id() -> bytes:
@@ -134,22 +131,20 @@ def takes(x2: torch.Tensor, fmt: Format, g: Granularity, out: torch.Tensor | Non
         and x2.dtype in _INPUTS
         and (x2.stride(1) == 1 or x2.shape[1] == 1)
         and (x2.stride(0) >= x2.shape[1] or x2.shape[0] == 1)  # rows apart (not an expanded view)
-        and (out is None or _out_layout(x2, fmt, g, out) is not None)
+        and (out is None or _out_layout(x2, fmt, out) is not None)
         and not torch.compiler.is_compiling()
         and _load()[0] is not None
     )
 
 
-def _out_layout(x2: torch.Tensor, fmt: Format, g: Granularity, out: torch.Tensor) -> str | None:
+def _out_layout(x2: torch.Tensor, fmt: Format, out: torch.Tensor) -> str | None:
     """How the C writes into a payload buffer: "codes" (one a byte), "packed" (E2M1, two a byte), or None
     when it cannot."""
-    rows, cols = x2.shape
-    dtype = fmt.torch_dtype or torch.uint8
-    if out.dtype != dtype or not out.is_contiguous():
+    if out.dtype != (fmt.torch_dtype or torch.uint8) or not out.is_contiguous():
         return None
-    if tuple(out.shape) == (rows, cols):
+    if out.shape == x2.shape:
         return "codes"
-    return "packed" if fmt.bits == 4 and cols % 2 == 0 and tuple(out.shape) == (rows, cols // 2) else None
+    return "packed" if tuple(out.shape) == packed_payload_shape(fmt, *x2.shape) else None
 
 
 def quantize_compiled(
@@ -183,7 +178,7 @@ def quantize_compiled(
         ):
             return None
         amax = float(block_amax.max())
-    packed = out is not None and _out_layout(x2, fmt, g, out) == "packed"
+    packed = out is not None and _out_layout(x2, fmt, out) == "packed"
     data = out if out is not None else torch.empty((rows, cols), dtype=fmt.torch_dtype or torch.uint8)
     rule = {"margin": margin, "power_of_two": power_of_two}
     if g.scale_format == "e4m3":

@@ -33,7 +33,7 @@ from mixprec.formats import (
 )
 from mixprec.kernels import c_quantize
 from mixprec.kernels.codes import encode_codes_into
-from mixprec.scaling import Granularity, block_amax, expand_scale, scale_from_amax
+from mixprec.scaling import Granularity, block_amax, expand_scale, packed_payload_shape, scale_from_amax
 
 # Elements per tile (1 MB of fp32): big enough that the ~35 torch calls per tile cost little next to the
 # ~10 passes over it, small enough that its buffers (~11 bytes per element) stay in L2/L3 between passes.
@@ -125,7 +125,7 @@ def _quantize_tiles(x2, fmt, g, scale, margin, power_of_two, out, stats, global_
     gs = None if global_scale is None else global_scale.float().reshape(1, 1)
     rule = {"global_scale": gs, "dtype": x2.dtype} if gs is not None else {}
     data = out if out is not None else torch.empty((rows, cols), dtype=bufs.q.dtype)
-    packed = fmt.bits == 4 and tuple(data.shape) == (rows, cols // 2)
+    packed = tuple(data.shape) == packed_payload_shape(fmt, rows, cols)
     err2 = ref2 = 0.0
     for r0 in range(0, rows, height):
         h = min(height, rows - r0)

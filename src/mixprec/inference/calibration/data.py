@@ -1,5 +1,6 @@
 """Calibration data: a path (or a well-known dataset name with a local copy) -> texts -> token batches.
-mixprec downloads nothing: a well-known name must have a local copy under ~/.cache/mixprec/datasets.
+mixprec downloads nothing: a well-known name must have a local copy under files.cache_dir("datasets")
+(~/.cache/mixprec/datasets, or $MIXPREC_CACHE_DIR/datasets).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.files import cache_dir
 from mixprec.texts import read_texts
 
 # Names that look like datasets people download; mixprec downloads nothing, so they must be local.
@@ -29,7 +31,6 @@ WELL_KNOWN_DATASETS = (
     "ultrachat-200k",
     "open-platypus",
 )
-LOCAL_DATASET_ROOT = Path("~/.cache/mixprec/datasets")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def resolve_calib_source(spec: str | Path) -> Path:
         return p
     key = str(spec).strip().lower()
     if key in WELL_KNOWN_DATASETS:
-        root = LOCAL_DATASET_ROOT.expanduser() / key
+        root = cache_dir("datasets", key)
         if root.exists():
             return root
         raise MixprecError(
