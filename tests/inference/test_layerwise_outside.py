@@ -75,10 +75,10 @@ def _reference_inputs(directory: Path, batches: list[torch.Tensor]) -> list[tupl
 def _walk_inputs(directory: Path, batches: list[torch.Tensor]):
     config = json.loads((directory / "config.json").read_text())
     ckpt = open_checkpoint(directory)
-    model, prefix, blocks, _, _ = layerwise._skeleton(directory, config, ckpt, [])
+    model, prefix, blocks, _, _ = layerwise.skeleton(directory, config, ckpt, [])
     with ShardReader() as reader, torch.no_grad():
         outside = OutsideLoader(model, ckpt, reader, prefix, batches)
-        captured = layerwise._block_inputs(model, blocks[0], batches)
+        captured = layerwise.block_inputs(model, blocks[0], batches)
         outside.remove()
     return captured, outside
 

@@ -123,7 +123,8 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--layer-by-layer", action=argparse.BooleanOptionalAction, default=None,
-        help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM)",
+        help="calibrate one transformer block at a time (default: when the model exceeds half the free RAM); "
+        "--scheme auto also scores block by block (default: when the model in fp32 exceeds half the free RAM)",
     )  # fmt: skip
 
 
@@ -213,6 +214,7 @@ def run_auto(args: argparse.Namespace) -> int:
         default_ignore=not args.no_default_ignore, measure=measure, search_steps=args.search_steps,
         force=args.force, progress=not args.quiet and not args.json, max_shard_size=args.max_shard_size,
         observer=args.observer, strict=args.strict, algorithm=algorithm_spec(args),
+        layer_by_layer=args.layer_by_layer,
     )  # fmt: skip
     write_auto_report(result, args.output)
     if args.json:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +29,9 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.inference.algorithms.gptq_pass import GptqPass
 from mixprec.inference.algorithms.spec import GPTQ, AlgorithmSpec
-from mixprec.inference.calibration.layerwise import calibrate_blockwise
+from mixprec.inference.calibration.layerwise import calibrate_blockwise, calibrate_layerwise
+from mixprec.inference.checkpoint.safetensors_io import Checkpoint
+from mixprec.inference.checkpoint.spill import SpilledResults
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.scaling import QuantizedTensor
 
@@ -60,7 +64,12 @@ def rounded_candidates(
     in `weight_dtype`). advance(): called after each candidate."""
     out: dict[str, dict[str, QuantizedTensor]] = {}
     for sch in candidates:
-        walked = copy.deepcopy(model).to(weight_dtype)
+        walked = copy.deepcopy(model)
+        # the parameters in the checkpoint's dtype, the buffers as they are: Module.to would round the rotary
+        # tables' inverse frequencies to bf16 too, which `mixprec quantize`'s walk (a skeleton computing its
+        # own buffers) does not, so its attention, and every GPTQ weight after the first q/k/v, would differ
+        for param in walked.parameters():
+            param.data = param.data.to(weight_dtype)
         gptq = GptqPass(dict.fromkeys(names, sch), spec.gptq, weight_dtype)
         calibrate_blockwise(walked, list(batches), [], block_pass=gptq)
         out[sch.name] = dict(gptq.results)
@@ -70,4 +79,41 @@ def rounded_candidates(
     return out
 
 
-__all__ = ["AUTO_ALGORITHMS", "check_auto_algorithm", "rounded_candidates"]
+def rounded_candidates_on_checkpoint(
+    model_dir: Path,
+    config: dict[str, Any],
+    ckpt: Checkpoint,
+    batches: Sequence[torch.Tensor],
+    names: Sequence[str],
+    candidates: Sequence[InferenceScheme],
+    spec: AlgorithmSpec,
+    weight_dtype: torch.dtype,
+    spill_dir: Path | None = None,
+    advance: Callable[[], None] | None = None,
+) -> dict[str, SpilledResults]:
+    """rounded_candidates without the model in memory: each candidate's GPTQ walk reads the checkpoint
+    one block at a time (calibrate_layerwise, as `mixprec quantize --algorithm gptq` runs it), and its
+    rounded weights wait on disk (SpilledResults in `spill_dir`: about a byte per weight or less for each
+    candidate), read back when the scorer asks for them. The caller closes each mapping (removing its
+    files)."""
+    out: dict[str, SpilledResults] = {}
+    try:
+        for sch in candidates:
+            out[sch.name] = SpilledResults(spill_dir)
+            gptq = GptqPass(dict.fromkeys(names, sch), spec.gptq, weight_dtype, results=out[sch.name])
+            calibrate_layerwise(model_dir, config, ckpt, list(batches), [], block_pass=gptq)
+            if advance is not None:
+                advance()
+    except BaseException:
+        for spilled in out.values():
+            spilled.close()
+        raise
+    return out
+
+
+__all__ = [
+    "AUTO_ALGORITHMS",
+    "check_auto_algorithm",
+    "rounded_candidates",
+    "rounded_candidates_on_checkpoint",
+]

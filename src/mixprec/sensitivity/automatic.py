@@ -5,10 +5,11 @@ budget, write one mixed-precision checkpoint.
     result.allocation.layers                       # {Linear: scheme}
     report = mixprec.quantize_model_(model, "auto", budget="10", calib_data=batches)   # online
 
-The scores (sensitivity.scores) are written beside the checkpoint (auto_scores.json, schema
-docs/schemas/auto.md) with the fingerprint of what they were computed from (the model's files, the
-calibration tokens, the candidates, the method): given back with `scores=`, they are reused when the
-fingerprint matches, so a new budget costs a solve and a write, not a scoring run.
+The scores (sensitivity.scores; block by block where that applies, sensitivity.layerwise_scores) are
+written beside the checkpoint (auto_scores.json, schema docs/schemas/auto.md) with the fingerprint of
+what they were computed from (scores_cache.py): given back with `scores=`, they are reused when the
+fingerprint matches, so a new budget costs a solve and a write, not a scoring run. The choice across
+budgets (the curve, the perplexity target's bisection) is budget_search.py.
 
 Measured perplexity (the budget curve's measured points, `target_ppl_increase`) needs an evaluation
 of a written checkpoint; the evaluation workflow sits on a floor above this package, so the caller
@@ -18,13 +19,10 @@ passes it in as `measure(checkpoint_dir) -> {"reference_perplexity", "candidate_
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
 import re
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,72 +32,48 @@ from torch import nn
 
 from mixprec.conversion import ConversionReport
 from mixprec.errors import MixprecError
-from mixprec.files import write_json_atomic
 from mixprec.hf import config_dtype, load_model, load_tokenizer, read_config
 from mixprec.inference.algorithms.spec import AlgorithmSpec
 from mixprec.inference.calibration.data import load_texts, token_batches
 from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
 from mixprec.inference.producers.quantize import quantize_checkpoint
+from mixprec.inference.producers.quantize_calibration import available_memory
 from mixprec.inference.runtime.online import apply_scheme_ as quantize_one_scheme
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.progress import ProgressBars
 from mixprec.select import REGEX_PREFIX
-from mixprec.sensitivity.algorithm_candidates import check_auto_algorithm, rounded_candidates
-from mixprec.sensitivity.allocation import Allocation, Budget, allocate, group_options, uniform
-from mixprec.sensitivity.scores import KEPT, Scores, candidate_schemes, scorable_linears, score_model
+from mixprec.sensitivity.algorithm_candidates import (
+    check_auto_algorithm,
+    rounded_candidates,
+    rounded_candidates_on_checkpoint,
+)
+from mixprec.sensitivity.allocation import Allocation, Budget, allocate
+from mixprec.sensitivity.budget_search import (
+    Measure,
+    budget_curve,
+    count_schemes,
+    search_budget,
+    uniform_table,
+)
+from mixprec.sensitivity.layerwise_scores import ScoringSkeleton, layerwise_gradient_scores, scoring_skeleton
+from mixprec.sensitivity.scores import (
+    KEPT,
+    Scores,
+    candidate_schemes,
+    scorable_linears,
+    score_model,
+    scores_of,
+)
+from mixprec.sensitivity.scores_cache import (
+    SCORES_NAME,
+    data_fingerprint,
+    fingerprint,
+    model_fingerprint,
+    read_scores,
+    write_scores,
+)
 
 AUTO = "auto"
-SCORES_NAME = "auto_scores.json"
-Measure = Callable[[Path], Mapping[str, float]]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fingerprints and the scores cache
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """sha256 of config.json and every safetensors file's bytes (a changed weight is a new model)."""
-    h = hashlib.sha256()
-    for p in [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]:
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def data_fingerprint(batches: Sequence[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for b in batches:
-        h.update(str(tuple(b.shape)).encode())
-        h.update(b.to(torch.int64).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def fingerprint(model: str, data: str, candidates: Sequence[str], method: str, ignore: Sequence[str],
-                algorithm: AlgorithmSpec | None = None) -> dict[str, str]:  # fmt: skip
-    """What scores come from; `algorithm` (what rounded the candidates, with its parameters) only when it
-    is not round to nearest, so that the scores files written before it existed still match."""
-    fp = {"model": model, "data": data, "candidates": ",".join(candidates), "method": method,
-          "ignore": ",".join(ignore)}  # fmt: skip
-    if algorithm is not None and algorithm.names:
-        fp["algorithm"] = json.dumps(algorithm.to_dict(), sort_keys=True)
-    return fp
-
-
-def read_scores(path: str | Path) -> Scores:
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MixprecError(f"scores file {p} does not exist") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise MixprecError(f"{p}: not a JSON scores file ({e})") from None
-    return Scores.from_dict(doc, str(p))
-
-
-def write_scores(path: Path, scores: Scores) -> None:
-    write_json_atomic(path, scores.to_dict())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,7 +119,7 @@ class AutoResult:
                 "bits": alloc.bits,
                 "weights": alloc.weights,
                 "predicted_score": alloc.predicted,
-                "schemes": _count(alloc.layers.values()),
+                "schemes": count_schemes(alloc.layers.values()),
                 "measured": self.measured,
             },
             "layers": {
@@ -166,37 +140,6 @@ class AutoResult:
 
 
 REPORT_SCHEMA_VERSION = 1
-
-
-def _count(values) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
-
-
-def budget_curve(scores: Scores, dtype_bits: int, points: int = 9) -> list[dict[str, Any]]:
-    """The predicted score of the exact choice at `points` budgets from the smallest possible
-    checkpoint to everything kept (bits per weight)."""
-    options = group_options(scores, dtype_bits)
-    weights = sum(o * i for o, i in scores.shapes.values())
-    lo = sum(min(o.cost for o in opts) for opts in options.values()) / weights
-    hi = sum(max(o.cost for o in opts) for opts in options.values()) / weights
-    out = []
-    for i in range(points):
-        bits = lo + (hi - lo) * i / max(1, points - 1)
-        plan = allocate(scores, Budget(bits=bits + 1e-9), dtype_bits=dtype_bits)
-        out.append({"budget_bits": bits, "bits_per_weight": plan.bits_per_weight, "predicted_score": plan.predicted,
-                    "schemes": _count(plan.layers.values())})  # fmt: skip
-    return out
-
-
-def _uniform_table(scores: Scores, dtype_bits: int) -> dict[str, dict[str, Any]]:
-    out = {}
-    for c in scores.candidates:
-        plan = uniform(scores, c, dtype_bits=dtype_bits)
-        out[c] = {"bits_per_weight": plan.bits_per_weight, "predicted_score": plan.predicted}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,6 +182,7 @@ def auto_quantize_checkpoint(
     force: bool = False,
     progress: bool = True,
     algorithm: str | Sequence[str] | AlgorithmSpec | None = None,
+    layer_by_layer: bool | None = None,
     **quantize_kw: Any,
 ) -> AutoResult:
     """Score, choose under `budget` (or the smallest checkpoint whose measured perplexity increase is
@@ -249,15 +193,19 @@ def auto_quantize_checkpoint(
     files, calibration tokens, candidates, method, ignore list), else refused. measure: see the module
     docstring; with it the chosen checkpoint's perplexity is measured. algorithm: "gptq" (or an
     AlgorithmSpec): every candidate is scored with the weights GPTQ gives it (algorithm_candidates.py)
-    and the checkpoint is written with GPTQ. quantize_kw: passed on to quantize_checkpoint
-    (max_shard_size, observer, ...).
+    and the checkpoint is written with GPTQ. layer_by_layer: score one transformer block at a time
+    (layerwise_scores.py: memory for one block, not the whole model in fp32 with its backward) and
+    calibrate the written checkpoint so; None (default): decide by memory (block by block when the
+    model in fp32 exceeds half the available memory, where the walk applies: the gradient score, with or
+    without GPTQ, on a model whose logits are its final norm times its head); False: the whole model.
+    quantize_kw: passed on to quantize_checkpoint (max_shard_size, observer, ...).
     """
     started = time.perf_counter()
     job = _auto_job(model_dir, output_dir, budget=budget, target_ppl_increase=target_ppl_increase,
                     calib_data=calib_data, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
                     candidates=candidates, score=score, scores=scores, ignore=ignore, default_ignore=default_ignore,
                     measure=measure, search_steps=search_steps, force=force, progress=progress,
-                    quantize_kw=quantize_kw, algorithm=algorithm)  # fmt: skip
+                    quantize_kw=quantize_kw, algorithm=algorithm, layer_by_layer=layer_by_layer)  # fmt: skip
     texts = load_texts(calib_data)
     batches = token_batches(texts, load_tokenizer(job.model_dir), calib_samples, calib_seq_len)
     timings: dict[str, float] = {}
@@ -278,7 +226,7 @@ def auto_quantize_checkpoint(
     timings["total"] = time.perf_counter() - started
     result = AutoResult(
         scores=result_scores, budget=job.budget, allocation=plan, dtype_bits=job.dtype_bits,
-        curve=budget_curve(result_scores, job.dtype_bits), uniform=_uniform_table(result_scores, job.dtype_bits),
+        curve=budget_curve(result_scores, job.dtype_bits), uniform=uniform_table(result_scores, job.dtype_bits),
         scores_reused=reused, measured=measured, search=search, target_ppl_increase=job.target, report=report,
         output=str(job.output_dir), seconds=timings,
     )  # fmt: skip
@@ -309,6 +257,7 @@ class AutoJob:
     progress: bool
     quantize_kw: Mapping[str, Any]  # passed on to quantize_checkpoint
     algorithm: AlgorithmSpec  # what rounds the candidates and the checkpoint (empty: round to nearest)
+    layer_by_layer: bool | None  # score (and calibrate) block by block; None: where the block walk applies
 
     @property
     def dtype_bits(self) -> int:
@@ -378,23 +327,78 @@ def _scores(job: AutoJob, batches: list[torch.Tensor], timings: dict[str, float]
             )
         return from_file, True
     t0 = time.perf_counter()
-    model = load_model(job.model_dir, dtype=torch.float32).eval()  # fp32: the CPU has no fast bf16
     with ProgressBars(job.progress) as bars:
-        rounded = None
-        if job.algorithm.uses_gptq:
-            names = list(scorable_linears(model, job.ignore, default_ignore=job.default_ignore))
-            advance = bars.add("GPTQ, one walk per candidate", len(job.candidates)).advance
-            rounded = rounded_candidates(model, batches, names, job.candidates, job.algorithm,
-                                         config_dtype(job.config), advance)  # fmt: skip
-        scored = score_model(
-            model, batches, list(job.candidates), method=job.score, ignore=job.ignore,
-            default_ignore=job.default_ignore, weight_dtype=config_dtype(job.config),
-            progress=lambda label, total: bars.add(label, total).advance, rounded=rounded,
-        )  # fmt: skip
-    del model
+        progress = lambda label, total: bars.add(label, total).advance  # noqa: E731
+        skel = _block_by_block(job)
+        if skel is not None:
+            scored = _score_block_by_block(job, skel, batches, bars, progress)
+        else:
+            scored = _score_whole_model(job, batches, bars, progress)
     scored.fingerprint = fp
     timings["scoring"] = time.perf_counter() - t0
     return scored, False
+
+
+def _block_by_block(job: AutoJob) -> ScoringSkeleton | None:
+    """The skeleton to score block by block on, or None to score the whole model: layer_by_layer False;
+    None and the model fits in memory in fp32 (_whole_model_fits); the kl score (a whole-model scorer),
+    or a model the block walk does not take (refused when layer_by_layer is True,
+    with the reason)."""
+    if job.layer_by_layer is False or (job.layer_by_layer is None and _whole_model_fits(job.model_dir)):
+        return None
+    why = None
+    if job.score != "gradient":
+        why = f"the {job.score} score runs on the whole model"
+    skel = None
+    if why is None:
+        skel, why = scoring_skeleton(job.model_dir, job.config, open_checkpoint(job.model_dir), job.ignore,
+                                     job.default_ignore)  # fmt: skip
+    if why is not None and job.layer_by_layer:
+        raise MixprecError(f"--layer-by-layer scoring does not apply here: {why}; pass --no-layer-by-layer")
+    return skel
+
+
+def _whole_model_fits(model_dir: Path) -> bool:
+    """Whether the model in fp32 (what the whole-model scorer loads) takes at most half the available
+    memory: the rule calibration uses for the checkpoint in its own dtype."""
+    ckpt = open_checkpoint(model_dir)
+    params = sum(math.prod(info.shape) for info in ckpt.tensors.values())
+    return 4 * params <= 0.5 * available_memory()
+
+
+def _score_block_by_block(job: AutoJob, skel: ScoringSkeleton, batches: list[torch.Tensor], bars: ProgressBars,
+                          progress) -> Scores:  # fmt: skip
+    """The gradient scores block by block; with GPTQ, each candidate's GPTQ walk first, also block by
+    block, its rounded weights on disk beside the output until the scoring ends."""
+    started = time.perf_counter()
+    ckpt, dtype, spill = open_checkpoint(job.model_dir), config_dtype(job.config), job.output_dir.parent
+    rounded: dict = {}
+    try:
+        if job.algorithm.uses_gptq:
+            advance = bars.add("GPTQ, one walk per candidate", len(job.candidates)).advance
+            rounded = rounded_candidates_on_checkpoint(job.model_dir, job.config, ckpt, batches, list(skel.names),
+                                                       job.candidates, job.algorithm, dtype, spill, advance)  # fmt: skip
+        _, raw = layerwise_gradient_scores(skel, ckpt, batches, list(job.candidates), weight_dtype=dtype,
+                                           spill_dir=spill, progress=progress, rounded=rounded)  # fmt: skip
+    finally:
+        for spilled in rounded.values():
+            spilled.close()
+    return scores_of(job.score, skel.names, job.candidates, raw, batches, time.perf_counter() - started)
+
+
+def _score_whole_model(job: AutoJob, batches: list[torch.Tensor], bars: ProgressBars, progress) -> Scores:
+    model = load_model(job.model_dir, dtype=torch.float32).eval()  # fp32: the CPU has no fast bf16
+    rounded = None
+    if job.algorithm.uses_gptq:
+        names = list(scorable_linears(model, job.ignore, default_ignore=job.default_ignore))
+        advance = bars.add("GPTQ, one walk per candidate", len(job.candidates)).advance
+        rounded = rounded_candidates(model, batches, names, job.candidates, job.algorithm,
+                                     config_dtype(job.config), advance)  # fmt: skip
+    return score_model(
+        model, batches, list(job.candidates), method=job.score, ignore=job.ignore,
+        default_ignore=job.default_ignore, weight_dtype=config_dtype(job.config), progress=progress,
+        rounded=rounded,
+    )  # fmt: skip
 
 
 def _fixed_bits(job: AutoJob, scores: Scores) -> int:
@@ -411,7 +415,7 @@ class CheckpointWriter:
         self.job = job
         self.settings = dict(calib_data=job.calib_data, calib_samples=max(job.calib_samples, 1),
                              calib_seq_len=job.calib_seq_len, ignore=job.ignore, default_ignore=job.default_ignore,
-                             progress=job.progress, **job.quantize_kw)  # fmt: skip
+                             progress=job.progress, layer_by_layer=job.layer_by_layer, **job.quantize_kw)  # fmt: skip
 
     def __call__(self, plan: Allocation, out: Path, replace: bool) -> ConversionReport:
         schemes = plan.schemes()
@@ -438,7 +442,9 @@ def _choose(
     or the bisection over budgets for target_ppl_increase (which measures as it goes)."""
     if job.budget is not None:
         return allocate(scores, job.budget, dtype_bits=job.dtype_bits, fixed_bits=fixed_bits), None, []
-    return _search(scores, job.dtype_bits, job.target, job.measure, write, job.output_dir, job.search_steps)  # type: ignore[arg-type]
+    return search_budget(
+        scores, job.dtype_bits, job.target, job.measure, write, job.output_dir, job.search_steps
+    )  # type: ignore[arg-type]
 
 
 def _add_measured_points(result: AutoResult, search: list[dict[str, Any]], measured: dict | None) -> None:
@@ -450,58 +456,6 @@ def _add_measured_points(result: AutoResult, search: list[dict[str, Any]], measu
         plan = result.allocation
         result.curve.append({"budget_bits": None, "bits_per_weight": plan.bits_per_weight,
                              "predicted_score": plan.predicted, "measured": measured, "chosen": True})  # fmt: skip
-
-
-def _search(
-    scores: Scores,
-    dtype_bits: int,
-    target: float,
-    measure: Measure,
-    write: Callable[[Allocation, Path, bool], ConversionReport],
-    output_dir: Path,
-    steps: int,
-) -> tuple[Allocation, dict[str, Any], list[dict[str, Any]]]:
-    """Bisection over the budget (bits per weight) for the smallest checkpoint whose measured
-    perplexity increase is at most `target`: everything kept meets it, the smallest checkpoint is
-    tried first. Assumes the measured increase falls as the budget grows (the predicted score does);
-    every evaluation is recorded."""
-    options = group_options(scores, dtype_bits)
-    weights = sum(o * i for o, i in scores.shapes.values())
-    lo = sum(min(o.cost for o in opts) for opts in options.values()) / weights
-    hi = sum(max(o.cost for o in opts) for opts in options.values()) / weights
-    search: list[dict[str, Any]] = []
-    best: tuple[Allocation, dict[str, Any]] | None = None
-    work = Path(tempfile.mkdtemp(prefix=".auto-search-", dir=output_dir.parent))
-    try:
-        bits, low_fails = lo, None
-        for step in range(max(1, steps)):
-            plan = allocate(scores, Budget(bits=bits + 1e-9), dtype_bits=dtype_bits)
-            out = work / f"step{step}"
-            write(plan, out, False)
-            m = dict(measure(out))
-            shutil.rmtree(out, ignore_errors=True)
-            increase = m["candidate_perplexity"] / m["reference_perplexity"] - 1
-            ok = increase <= target
-            search.append({"step": step, "budget_bits": bits, "bits_per_weight": plan.bits_per_weight,
-                           "predicted_score": plan.predicted, "measured": m, "meets_target": ok})  # fmt: skip
-            if ok:
-                if best is None or plan.bits < best[0].bits:
-                    best = (plan, m)
-                hi = bits
-            else:
-                low_fails = bits
-            if ok and step == 0:
-                break  # the smallest checkpoint meets it
-            bits = (hi + (low_fails if low_fails is not None else lo)) / 2
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if best is None:
-        tried = ", ".join(f"{p['bits_per_weight']:.2f} bits: {p['measured']['candidate_perplexity'] / p['measured']['reference_perplexity'] - 1:+.2%}" for p in search)  # fmt: skip
-        raise MixprecError(
-            f"no checkpoint of the {len(search)} measured met --target-ppl-increase {target:.2%} ({tried}); "
-            "allow more --search-steps or a larger increase"
-        )
-    return best[0], best[1], search
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -577,7 +531,7 @@ def quantize_model_(
     combined.weight_bytes_after = reports[-1].weight_bytes_after
     combined.auto = AutoResult(  # type: ignore[attr-defined]
         scores=scores, budget=budget if isinstance(budget, Budget) else Budget.parse(budget), allocation=plan,
-        dtype_bits=dtype_bits, curve=budget_curve(scores, dtype_bits), uniform=_uniform_table(scores, dtype_bits),
+        dtype_bits=dtype_bits, curve=budget_curve(scores, dtype_bits), uniform=uniform_table(scores, dtype_bits),
     )  # fmt: skip
     model.mixprec_report = combined
     return combined

@@ -267,6 +267,40 @@ def _batch_tokens(batch: torch.Tensor) -> int:
     return int(batch.numel())
 
 
+class GradientScoreHooks:
+    """The gradient score's per-Linear work, shared by the whole-model scorer (gradient_scores) and the
+    block-by-block one (layerwise_scores): a forward hook saves the Linear's input X; when the gradient
+    g of its output arrives, every candidate runs on X and sum((g * (Y_q - Y))^2) is added to
+    `totals[name][candidate]`."""
+
+    def __init__(self, layers: Mapping[str, dict[str, nn.Module]], totals: dict[str, dict[str, float]]):
+        self.layers = layers
+        self.totals = totals
+        self.saved: dict[str, torch.Tensor] = {}
+
+    def attach(self, modules: Mapping[str, nn.Module], names: Iterable[str]) -> list[Any]:
+        """Forward hooks on the Linears `names`; returns their handles (remove them when done)."""
+        return [modules[n].register_forward_hook(self._forward_hook(n)) for n in names]
+
+    def _forward_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if not out.requires_grad:
+                return
+            self.saved[name] = args[0].detach()
+            out.register_hook(lambda g: self._score(name, module, g))
+
+        return hook
+
+    def _score(self, name: str, module: nn.Module, g: torch.Tensor) -> None:
+        x_saved = self.saved.pop(name)
+        with torch.no_grad():
+            y = module(x_saved).float()
+            g32 = g.float()
+            for cand, qlin in self.layers[name].items():
+                diff = qlin(x_saved).float().sub_(y).mul_(g32)
+                self.totals[name][cand] += float(diff.reshape(-1).double().square().sum())
+
+
 def gradient_scores(
     model: nn.Module,
     batches: Iterable[torch.Tensor],
@@ -280,31 +314,10 @@ def gradient_scores(
     removed, grads cleared)."""
     modules = dict(model.named_modules())
     totals = {n: dict.fromkeys(layers.schemes, 0.0) for n in layers}
-    saved: dict[str, torch.Tensor] = {}
-
-    def forward_hook(name: str):
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            if not out.requires_grad:
-                return
-            x = args[0].detach()
-            saved[name] = x
-
-            def on_grad(g: torch.Tensor) -> None:
-                x_saved = saved.pop(name)
-                with torch.no_grad():
-                    y = module(x_saved).float()
-                    g32 = g.float()
-                    for cand, qlin in layers[name].items():
-                        diff = qlin(x_saved).float().sub_(y).mul_(g32)
-                        totals[name][cand] += float(diff.reshape(-1).double().square().sum())
-
-            out.register_hook(on_grad)
-
-        return hook
-
+    hooks = GradientScoreHooks(layers, totals)
     requires = {p: p.requires_grad for p in model.parameters()}
     was_training = model.training
-    handles = [modules[n].register_forward_hook(forward_hook(n)) for n in layers]
+    handles = hooks.attach(modules, list(layers))
     undo = _require_input_grad(model)
     try:
         for p in model.parameters():
@@ -318,7 +331,7 @@ def gradient_scores(
             for row in _rows(batch):
                 loss = loss_fn(model, row) * (_row_count(row) / _row_count(batch))
                 loss.backward()
-                saved.clear()
+                hooks.saved.clear()
             if progress is not None:
                 progress()
     finally:
@@ -429,12 +442,18 @@ def score_model(
         total = len(fused_groups(linears)) * len(candidates)
         advance = progress("scoring (one group and candidate at a time)", total) if progress else None
         raw = kl_scores(model, batches, layers, progress=advance)
+    return scores_of(method, linears, candidates, raw, batches, time.perf_counter() - started)
+
+
+def scores_of(method: str, linears: Mapping[str, tuple[int, int]], candidates: Sequence[InferenceScheme],
+              raw: Mapping[str, Mapping[str, float]], batches: Sequence[torch.Tensor], seconds: float) -> Scores:  # fmt: skip
+    """The Scores of a scorer's raw {Linear: {candidate: score}} (KEPT added, scoring 0)."""
     names = [KEPT, *(s.name for s in candidates)]
     per_layer = {n: {KEPT: 0.0, **raw[n]} for n in linears}
     return Scores(
         method=method, candidates=names, layers=per_layer, shapes=dict(linears),
         allowed=allowed_schemes(linears, candidates), batches=len(batches),
-        tokens=sum(_batch_tokens(b) for b in batches), seconds=time.perf_counter() - started,
+        tokens=sum(_batch_tokens(b) for b in batches), seconds=seconds,
     )  # fmt: skip
 
 
@@ -443,6 +462,7 @@ __all__ = [
     "METHODS",
     "SCORES_SCHEMA_VERSION",
     "CandidateLayers",
+    "GradientScoreHooks",
     "Scores",
     "allowed_schemes",
     "candidate_layers",
@@ -452,5 +472,6 @@ __all__ = [
     "run_instead",
     "scorable_linears",
     "score_model",
+    "scores_of",
     "static_input_amax",
 ]

@@ -113,7 +113,7 @@ def calibrate_layerwise(
     expert weight (runtime/experts.py: unfuse_skeleton) and returns {checkpoint module: module path};
     the per-expert tensors then load into those Linears, the others renamed as transformers renames
     them, and the observers and the pass find each expert Linear by its checkpoint name."""
-    model, prefix, blocks, keys, aliases = _skeleton(model_dir, config, ckpt, linear_names, unfuse)
+    model, prefix, blocks, keys, aliases = skeleton(model_dir, config, ckpt, linear_names, unfuse)
     with ShardReader() as reader:
         outside = OutsideLoader(model, ckpt, reader, prefix, batches)
 
@@ -184,7 +184,7 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
             # on a module whose weights are loaded: the compact embedding, or the model once loaded)
             probe = outside.embedding if outside is not None and outside.embedding is not None else model
             fp32_gemms.enter_context(gemms_in_fp32(probe))
-            captured = _block_inputs(model, blocks[0], batches)
+            captured = block_inputs(model, blocks[0], batches)
             if outside is not None:
                 outside.remove()
                 check_captured(captured)
@@ -204,11 +204,11 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
                 # without a pass each block's outputs replace its inputs batch by batch (one copy of the
                 # hidden states); a pass that reruns the block keeps none of this forward's
                 keep = block_pass is None or getattr(block_pass, "needs_outputs", True)
-                outputs = _run_block(block, captured, in_place=block_pass is None, keep=keep)
+                outputs = run_block(block, captured, in_place=block_pass is None, keep=keep)
                 for h in handles:
                     h.remove()
                 if block_pass is not None:
-                    outputs = block_pass.after(own, block, captured, outputs, _run_block)
+                    outputs = block_pass.after(own, block, captured, outputs, run_block)
                 captured = outputs
                 if drop is not None:
                     drop(block)  # this block's weights
@@ -263,7 +263,7 @@ def _result(amax: dict[str, float], kv: dict[int, tuple[float, float]], counts: 
     return CalibrationResult(amax, kv, run)
 
 
-def _skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_names: Sequence[str],
+def skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, linear_names: Sequence[str],
               unfuse: Callable[[nn.Module], dict[str, str]] | None = None):  # fmt: skip
     """(the model built on the meta device, the name of its block list, its blocks, {checkpoint key:
     model key} of the tensors it names differently, {checkpoint module: module path} of those Linears),
@@ -296,7 +296,7 @@ def _check_known(model: nn.Module, unknown: list[str]) -> None:
         )
 
 
-def _block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Tensor]) -> Captured:
+def block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Tensor]) -> Captured:
     """The arguments the first block receives for each batch (the forward stops there)."""
     captured: list[tuple[tuple, dict]] = []
 
@@ -323,7 +323,7 @@ def _observing(observer: Observer):
     return hook_fn
 
 
-def _run_block(
+def run_block(
     block: nn.Module, captured: Captured, *, in_place: bool = False, keep: bool = True
 ) -> Captured | None:
     """Run `block` on each captured input: the next block's inputs (its hidden states, the rest as given).
@@ -342,4 +342,13 @@ def _run_block(
     return nxt if keep else None
 
 
-__all__ = ["BlockPass", "Captured", "MaxObserver", "calibrate_blockwise", "calibrate_layerwise"]
+__all__ = [
+    "BlockPass",
+    "Captured",
+    "MaxObserver",
+    "block_inputs",
+    "calibrate_blockwise",
+    "calibrate_layerwise",
+    "run_block",
+    "skeleton",
+]
