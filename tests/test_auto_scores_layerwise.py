@@ -116,7 +116,7 @@ def test_models_it_does_not_take_are_refused_or_scored_whole(tmp_path):
     (capped / "tokenizer.json").write_text(_tokenizer_json())
     kw = dict(budget="12", calib_data=calib, calib_samples=2, calib_seq_len=16, candidates=["fp8-dynamic"],
               progress=False)  # fmt: skip
-    with pytest.raises(MixprecError, match="final_logit_softcapping.*--no-layer-by-layer"):
+    with pytest.raises(MixprecError, match=r"final_logit_softcapping.*--no-layer-by-layer"):
         auto_quantize_checkpoint(capped, tmp_path / "out", layer_by_layer=True, **kw)
     with pytest.raises(MixprecError, match="kl score runs on the whole model"):
         auto_quantize_checkpoint(capped, tmp_path / "out", layer_by_layer=True, score="kl", **kw)
