@@ -98,7 +98,8 @@ def test_folds_refused_before_any_work(llama_dir, tmp_path, algorithm, scheme, m
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "scheme"), [("awq", "nvfp4a16"), ("rotate,smoothquant,awq,gptq", "nvfp4")]
+    ("algorithm", "scheme"),
+    [("rotate", "nvfp4a16"), ("awq", "nvfp4a16"), ("rotate,smoothquant,awq,gptq", "nvfp4")],
 )
 def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, tmp_path, algorithm, scheme):
     """mixprec.quantize_model_(..., algorithm=<folds>) folds the live model as quantize_checkpoint folds the
@@ -115,9 +116,10 @@ def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, t
                                          algorithm=algorithm, **CALIB)  # fmt: skip
     assert list(report.algorithm["folds"]) == list(written.algorithm["folds"])
     # a weight-only scheme after the folds alone has nothing left to observe: no calibration pass
-    assert (written.calibration is None) == (algorithm == "awq")
+    assert (written.calibration is None) == (scheme == "nvfp4a16")
     digests = {f: r.get("data_sha256") for f, r in written.algorithm["folds"].items()}
-    assert digests.pop("rotate", None) is None and len(set(digests.values())) == 1  # the data folds' tokens
+    assert digests.pop("rotate", None) is None  # the rotation reads no tokens
+    assert len(set(digests.values())) == min(1, len(digests))  # the data folds' tokens
     if "gptq" in algorithm:  # GPTQ walks the same tokens
         assert written.algorithm["data_sha256"] in digests.values()
     assert report.algorithm["names"] == algorithm.split(",")

@@ -136,6 +136,21 @@ def test_layer_by_layer_memory_terms(header_only, tmp_path):
     )
 
 
+def test_rotation_memory_terms(header_only, tmp_path):
+    """The rotation alone streams the checkpoint: one block and a chunk of embedding rows, not the model."""
+    from mixprec.inference.algorithms.rotation import CHUNK_ROWS
+
+    plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", algorithm="rotate", probe=False)
+    terms = plan.memory.terms if "rotation" in plan.memory.formula else None
+    assert terms is not None, plan.memory.formula
+    hidden, inter = 2048, 5632
+    block = (2 * hidden * hidden + 2 * 512 * hidden + 3 * inter * hidden + 2 * hidden) * 2
+    assert terms["the largest block's weights"] == block
+    assert terms["fp64 working copies of the largest weight (the weight and its product)"] == 16 * inter * hidden
+    assert terms["a chunk of embedding / head rows: read, fp64 and its product"] == CHUNK_ROWS * hidden * 18
+    assert not any("load the whole model" in note for note in plan.memory.notes)
+
+
 def _cli(model: Path, out: Path, *extra: str) -> int:
     return main(["quantize", "--model", str(model), "--output", str(out), "--dry-run", "--quiet", *extra])
 

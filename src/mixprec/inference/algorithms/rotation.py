@@ -100,7 +100,7 @@ def orthogonal_matrix(n: int, seed: int = 0) -> torch.Tensor:
 
 
 @dataclass
-class _Layer:
+class RotatedLayer:
     """One decoder layer's modules that the rotation touches."""
 
     index: int
@@ -116,13 +116,13 @@ class _Layer:
 
 
 @dataclass
-class _Plan:
+class RotationPlan:
     """Everything rotate_model_ changes, found and checked before the first change."""
 
     embed: nn.Embedding
     head: nn.Linear
     final_norm: nn.Module
-    layers: list[_Layer]
+    layers: list[RotatedLayer]
     hidden: int
     head_dim: int
     num_heads: int
@@ -134,21 +134,23 @@ def _param_children(module: nn.Module) -> list[str]:
     return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
 
 
-def _linear(parent: nn.Module, name: str, where: str) -> nn.Linear:
+def _linear(parent: nn.Module, name: str, where: str, loaded: bool = True) -> nn.Linear:
     child = getattr(parent, name, None)
     if not isinstance(child, nn.Linear):
         found = "missing" if child is None else f"a {type(child).__name__}, not an nn.Linear"
         raise MixprecError(f"rotate: {where}.{name} is {found}: block structure not recognised")
-    if not child.weight.is_floating_point() or child.weight.is_meta:
+    if not child.weight.is_floating_point() or (loaded and child.weight.is_meta):
         raise MixprecError(
             f"rotate: {where}.{name} has no floating-point weight in memory ({child.weight.dtype})"
         )
     return child
 
 
-def _check_rms_norm(norm: Any, where: str, hidden: int) -> nn.Module:
+def check_rms_norm(norm: Any, where: str, hidden: int, loaded: bool = True) -> nn.Module:
     """The norm must compute weight * x / rms(x) (probed on an input with a large mean, which tells it
-    from a LayerNorm, and with the norm's own weight, which tells it from Gemma's (1 + w))."""
+    from a LayerNorm, and with the norm's own weight, which tells it from Gemma's (1 + w)); loaded=False
+    (its weight still on the meta device): everything but the probe, which check_rms_norm runs once the
+    weight is read."""
     if norm is None:
         raise MixprecError(f"rotate: {where} is missing: block structure not recognised")
     if isinstance(norm, nn.LayerNorm):
@@ -163,6 +165,8 @@ def _check_rms_norm(norm: Any, where: str, hidden: int) -> nn.Module:
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (hidden,):
         raise MixprecError(f"rotate: {where} ({type(norm).__name__}) has no weight of shape ({hidden},)")
+    if not loaded:
+        return norm
     gen = torch.Generator().manual_seed(1234)
     x = (torch.randn(4, hidden, generator=gen, dtype=torch.float32) + 3.0).to(weight.device, weight.dtype)
     with torch.no_grad():
@@ -181,7 +185,7 @@ def _check_rms_norm(norm: Any, where: str, hidden: int) -> nn.Module:
     return norm
 
 
-def _check_layer(index: int, layer: nn.Module, hidden: int) -> _Layer:
+def check_layer(index: int, layer: nn.Module, hidden: int, loaded: bool = True) -> RotatedLayer:
     where = f"model.layers.{index}"
     missing = [c for c in LAYER_CHILDREN if getattr(layer, c, None) is None]
     if missing:
@@ -193,8 +197,8 @@ def _check_layer(index: int, layer: nn.Module, hidden: int) -> _Layer:
             "(e.g. extra norms on the residual stream): block structure not recognised"
         )
     attn, mlp = layer.self_attn, layer.mlp
-    linears = {n: _linear(attn, n, f"{where}.self_attn") for n in (*READERS_ATTN, "o_proj")}
-    linears.update({n: _linear(mlp, n, f"{where}.mlp") for n in (*READERS_MLP, "down_proj")})
+    linears = {n: _linear(attn, n, f"{where}.self_attn", loaded) for n in (*READERS_ATTN, "o_proj")}
+    linears.update({n: _linear(mlp, n, f"{where}.mlp", loaded) for n in (*READERS_MLP, "down_proj")})
     for module, allowed, name in ((attn, (*READERS_ATTN, "o_proj", *ATTN_EXTRA_OK), "self_attn"),
                                   (mlp, (*READERS_MLP, "down_proj"), "mlp")):  # fmt: skip
         extra = [c for c in _param_children(module) if c not in allowed]
@@ -212,17 +216,19 @@ def _check_layer(index: int, layer: nn.Module, hidden: int) -> _Layer:
             raise MixprecError(
                 f"rotate: {where}.{n} writes {linears[n].out_features} features, not the hidden {hidden}"
             )
-    return _Layer(
+    return RotatedLayer(
         index,
-        _check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", hidden),
-        _check_rms_norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm", hidden),
+        check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", hidden, loaded),
+        check_rms_norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm", hidden, loaded),
         linears["q_proj"], linears["k_proj"], linears["v_proj"], linears["o_proj"],
         linears["gate_proj"], linears["up_proj"], linears["down_proj"],
     )  # fmt: skip
 
 
-def _plan(model: nn.Module) -> _Plan:
-    """Find and check every module rotate_model_ touches; MixprecError naming what is missing."""
+def plan_rotation(model: nn.Module, loaded: bool = True) -> RotationPlan:
+    """Find and check every module rotate_model_ touches; MixprecError naming what is missing.
+    loaded=False: a skeleton whose weights are still on the meta device (rotation_checkpoint.py): the
+    structure is checked, the norms' probes wait for their weights."""
     decoder = getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
     if decoder is None or not isinstance(layers, nn.ModuleList) or len(layers) == 0:
@@ -240,7 +246,7 @@ def _plan(model: nn.Module) -> _Plan:
     embed = getattr(decoder, "embed_tokens", None)
     if not isinstance(embed, nn.Embedding) or embed.embedding_dim != hidden:
         raise MixprecError(f"rotate: model.embed_tokens is not an nn.Embedding of width {hidden}")
-    head = _linear(model, "lm_head", type(model).__name__)
+    head = _linear(model, "lm_head", type(model).__name__, loaded)
     if head.in_features != hidden:
         raise MixprecError(f"rotate: lm_head reads {head.in_features} features, not the hidden {hidden}")
     extra = [c for c in _param_children(decoder) if c not in ("embed_tokens", "layers", "norm")]
@@ -248,16 +254,17 @@ def _plan(model: nn.Module) -> _Plan:
         raise MixprecError(
             f"rotate: model has modules with weights the rotation does not know: {', '.join(extra)}"
         )
-    final_norm = _check_rms_norm(getattr(decoder, "norm", None), "model.norm", hidden)
-    checked = [_check_layer(i, layer, hidden) for i, layer in enumerate(layers)]
+    final_norm = check_rms_norm(getattr(decoder, "norm", None), "model.norm", hidden, loaded)
+    checked = [check_layer(i, layer, hidden, loaded) for i, layer in enumerate(layers)]
     for layer in checked:
         if layer.v.out_features != num_kv * head_dim or layer.o.in_features != num_heads * head_dim:
             raise MixprecError(
                 f"rotate: model.layers.{layer.index}: v_proj writes {layer.v.out_features} and o_proj reads "
                 f"{layer.o.in_features} features, not {num_kv} and {num_heads} heads of {head_dim}"
             )
-    tied = head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr()
-    return _Plan(embed, head, final_norm, checked, hidden, head_dim, num_heads, num_kv, tied)
+    # on the meta device every data pointer is 0: there only the shared Parameter says tied
+    tied = head.weight is embed.weight or (loaded and head.weight.data_ptr() == embed.weight.data_ptr())
+    return RotationPlan(embed, head, final_norm, checked, hidden, head_dim, num_heads, num_kv, tied)
 
 
 @torch.no_grad()
@@ -273,7 +280,7 @@ def _rotate_row_blocks(w: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _rotate_reader_(
+def rotate_reader_(
     linear: nn.Linear, scale: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor | None = None
 ) -> None:
     """W <- (W diag(scale)) R1, in fp64 in row chunks; with r2 (v_proj) each head's rows are rotated
@@ -293,7 +300,7 @@ def _rotate_reader_(
 
 
 @torch.no_grad()
-def _rotate_writer_(linear: nn.Linear, r1: torch.Tensor, r2: torch.Tensor | None = None) -> None:
+def rotate_writer_(linear: nn.Linear, r1: torch.Tensor, r2: torch.Tensor | None = None) -> None:
     """W <- R1^T W, b <- R1^T b; with r2 (o_proj) each head block of its input columns W <- W R2."""
     w = linear.weight.double()
     r = r1.to(w.device)
@@ -307,7 +314,23 @@ def _rotate_writer_(linear: nn.Linear, r1: torch.Tensor, r2: torch.Tensor | None
 
 
 @torch.no_grad()
-def _untie_(model: nn.Module, plan: _Plan) -> None:
+def rotate_layer_(layer: RotatedLayer, r1: torch.Tensor, r2: torch.Tensor | None) -> None:
+    """One decoder layer: its norms folded into the Linears that read them (then set to 1), R1 on the
+    readers' inputs and the writers' outputs, R2 (when given) on v_proj's heads and o_proj's input."""
+    g_attn, g_mlp = layer.input_norm.weight.detach().clone(), layer.post_norm.weight.detach().clone()
+    rotate_reader_(layer.q, g_attn, r1)
+    rotate_reader_(layer.k, g_attn, r1)
+    rotate_reader_(layer.v, g_attn, r1, r2)
+    rotate_writer_(layer.o, r1, r2)
+    rotate_reader_(layer.gate, g_mlp, r1)
+    rotate_reader_(layer.up, g_mlp, r1)
+    rotate_writer_(layer.down, r1)
+    layer.input_norm.weight.fill_(1.0)
+    layer.post_norm.weight.fill_(1.0)
+
+
+@torch.no_grad()
+def _untie_(model: nn.Module, plan: RotationPlan) -> None:
     """A head sharing the embedding's tensor gets a copy; the config says untied in any case (an engine
     that follows a config saying tied, as vLLM does, would serve the rotated embedding as the head)."""
     if plan.tied:
@@ -328,7 +351,7 @@ def rotate_model_(model: nn.Module, seed: int = 0, r2: bool = True) -> dict[str,
     why); its logits stay the same up to the rounding of each weight to its dtype. Returns the record:
     seed, sizes, what was done, and the fp64 matrices (`matrices`: r1, r2 or None). MixprecError, before
     any change, for a model without the invariance."""
-    plan = _plan(model)
+    plan = plan_rotation(model)
     r1 = orthogonal_matrix(plan.hidden, seed)
     r2_matrix = orthogonal_matrix(plan.head_dim, seed + 1) if r2 else None
     _untie_(model, plan)
@@ -339,18 +362,14 @@ def rotate_model_(model: nn.Module, seed: int = 0, r2: bool = True) -> dict[str,
             embed[start : start + CHUNK_ROWS].double() @ r1.to(embed.device),
         )
     for layer in plan.layers:
-        g_attn, g_mlp = layer.input_norm.weight.detach().clone(), layer.post_norm.weight.detach().clone()
-        _rotate_reader_(layer.q, g_attn, r1)
-        _rotate_reader_(layer.k, g_attn, r1)
-        _rotate_reader_(layer.v, g_attn, r1, r2_matrix)
-        _rotate_writer_(layer.o, r1, r2_matrix)
-        _rotate_reader_(layer.gate, g_mlp, r1)
-        _rotate_reader_(layer.up, g_mlp, r1)
-        _rotate_writer_(layer.down, r1)
-        layer.input_norm.weight.fill_(1.0)
-        layer.post_norm.weight.fill_(1.0)
-    _rotate_reader_(plan.head, plan.final_norm.weight.detach().clone(), r1)
+        rotate_layer_(layer, r1, r2_matrix)
+    rotate_reader_(plan.head, plan.final_norm.weight.detach().clone(), r1)
     plan.final_norm.weight.fill_(1.0)
+    return {**rotation_record(plan, seed, r2), "matrices": {"r1": r1, "r2": r2_matrix}}
+
+
+def rotation_record(plan: RotationPlan, seed: int, r2: bool) -> dict[str, Any]:
+    """What a rotation did, JSON-ready (the matrices aside: the seed rebuilds them)."""
     return {
         "algorithm": "rotate",
         "seed": seed,
@@ -362,7 +381,6 @@ def rotate_model_(model: nn.Module, seed: int = 0, r2: bool = True) -> dict[str,
         "norms_folded": 2 * len(plan.layers) + 1,
         "untied_lm_head": plan.tied,
         "down_proj_input": "not rotated (needs an online Hadamard the serving engines do not run)",
-        "matrices": {"r1": r1, "r2": r2_matrix},
     }
 
 

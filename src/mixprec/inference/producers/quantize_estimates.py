@@ -298,6 +298,20 @@ def layerwise_memory(
     return terms
 
 
+def rotation_memory(s: Shapes, baseline: int, chunk_rows: int) -> dict[str, float]:
+    """The rotation streamed over the checkpoint (algorithms/rotation_checkpoint.py): one block in its
+    dtype with an fp64 product of its largest weight, or one chunk of the embedding's or head's rows."""
+    largest = s.largest_weight_bytes // max(1, s.act_bytes)
+    return {
+        "process baseline": baseline,
+        "the largest block's weights": s.block_bytes,
+        "fp64 working copies of the largest weight (the weight and its product)": 2 * 8 * largest,
+        "a chunk of embedding / head rows: read, fp64 and its product": chunk_rows
+        * s.hidden
+        * (s.act_bytes + 16),
+    }
+
+
 def whole_model_memory(s: Shapes, baseline: int, seq_len: int) -> dict[str, float]:
     """Whole-model calibration (quantize_calibration._calibrate_whole_model): the model loaded whole."""
     return {

@@ -7,7 +7,8 @@ The model is loaded whole, folded in place, and saved in its own dtype (safetens
 side files) to a temporary directory beside the output. The rest of the pipeline reads that
 directory as its input, and it is removed when the quantization ends, however it ends. The written
 checkpoint is an ordinary one (rotation unties a tied head: config.json says so), served unchanged by
-the engines. Memory: the whole model, where the other stages hold one block at a time.
+the engines. Memory: the whole model, where the other stages hold one block at a time; except for the
+rotation alone, which streams the checkpoint one block at a time (rotation_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 from mixprec.conversion import ConversionReport
 from mixprec.hf import load_model, load_tokenizer, transformers_progress
 from mixprec.inference.algorithms.fold_stage import fold_model_, fold_names, folds_need_data
+from mixprec.inference.algorithms.rotation_checkpoint import rotate_checkpoint
+from mixprec.inference.algorithms.spec import ROTATE
 from mixprec.inference.calibration.across_ranks import broadcast_object
 from mixprec.inference.calibration.data import token_batches
 from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
@@ -71,7 +74,12 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
 
 
 def _fold_into(job: QuantizeJob, source: Source, selection: Selection, tmp: Path) -> dict[str, Any]:
-    """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready)."""
+    """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready). The rotation alone needs
+    no model in memory: it streams the checkpoint block by block (rotation_checkpoint.py), the same
+    tensors bit for bit."""
+    if fold_names(job.algorithm) == [ROTATE]:
+        params = job.algorithm.folds
+        return {ROTATE: rotate_checkpoint(job.model_dir, tmp, seed=params.seed, r2=params.r2)}
     with transformers_progress(job.progress):
         model = load_model(job.model_dir, dtype="auto").eval()
     batches = None

@@ -27,7 +27,8 @@ import torch
 from mixprec.conversion import ConversionReport
 from mixprec.inference.algorithms.gptq import CHUNK_BYTES
 from mixprec.inference.algorithms.gptq_pass import input_groups
-from mixprec.inference.algorithms.spec import FOLDS, AlgorithmSpec
+from mixprec.inference.algorithms.rotation import CHUNK_ROWS
+from mixprec.inference.algorithms.spec import FOLDS, ROTATE, AlgorithmSpec
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint.algorithm_file import ALGORITHM_FILE
 from mixprec.inference.checkpoint.layout import planned_tensors
@@ -297,7 +298,12 @@ def _estimates(job: QuantizeJob, ckpt: Checkpoint, s: est.Shapes, selection: Sel
             stages["calibration, whole model"] = est.whole_model_memory(s, baseline, job.calib_seq_len)
     notes = [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in stages.items()]
     folds = [n for n in job.algorithm.names if n in FOLDS]
-    if folds:
+    if folds == [ROTATE]:  # streamed over the checkpoint first (rotation_checkpoint.py)
+        stages["rotation, block by block"] = est.rotation_memory(s, baseline, CHUNK_ROWS)
+        notes.append(
+            f"rotation, block by block: {sum(stages['rotation, block by block'].values()) / 2**30:.2f} GiB"
+        )
+    elif folds:
         notes.append(f"not included: the folds ({', '.join(folds)}) load the whole model first")
     peak_stage = max(stages, key=lambda k: sum(stages[k].values()))
     memory = est.Estimate(stages[peak_stage], f"peak of the stages: {peak_stage} (docs/quantize.md)", notes)
