@@ -146,7 +146,9 @@ def test_rotation_memory_terms(header_only, tmp_path):
     hidden, inter = 2048, 5632
     block = (2 * hidden * hidden + 2 * 512 * hidden + 3 * inter * hidden + 2 * hidden) * 2
     assert terms["the largest block's weights"] == block
-    assert terms["fp64 working copies of the largest weight (the weight and its product)"] == 16 * inter * hidden
+    assert (
+        terms["fp64 working copies of the largest weight (the weight and its product)"] == 16 * inter * hidden
+    )
     assert terms["a chunk of embedding / head rows: read, fp64 and its product"] == CHUNK_ROWS * hidden * 18
     assert not any("load the whole model" in note for note in plan.memory.notes)
 

@@ -89,6 +89,6 @@ def test_a_tensor_the_rotation_does_not_know_is_refused_before_anything_is_writt
     )
     out = tmp_path / "rotated"
     out.mkdir()
-    with pytest.raises(MixprecError, match="does not know: model.extra_scale"):
+    with pytest.raises(MixprecError, match=r"does not know: model\.extra_scale"):
         rotate_checkpoint(src, out)
     assert list(out.iterdir()) == []
