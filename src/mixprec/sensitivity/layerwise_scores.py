@@ -53,14 +53,20 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model
-from mixprec.inference.calibration.layerwise import block_inputs, run_block, skeleton
+from mixprec.inference.calibration.layerwise import block_inputs, observing, run_block, skeleton
 from mixprec.inference.calibration.observers import MaxObserver
 from mixprec.inference.calibration.outside import OutsideLoader, check_captured, input_embedding, load_into
 from mixprec.inference.checkpoint.safetensors_io import Checkpoint, ShardReader, read_tensor_infos
 from mixprec.inference.schemes import InferenceScheme
 from mixprec.kernels.allocator import release_free_memory
 from mixprec.scaling import QuantizedTensor
-from mixprec.sensitivity.scores import CandidateLayers, GradientScoreHooks, scorable_linears
+from mixprec.sensitivity.scores import (
+    CandidateLayers,
+    GradientScoreHooks,
+    row_weight,
+    scorable_linears,
+    split_rows,
+)
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
 # config keys of models whose logits are more than norm -> head (soft-capping, scaling)
@@ -112,13 +118,13 @@ def _head_tensor(model: nn.Module, ckpt: Checkpoint) -> str | None:
 
 
 def sequences(batches: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:
-    """(each batch's sequences as batches of one, each one's loss weight: 1 / its batch's rows), the
-    split gradient_scores makes."""
+    """(each batch's sequences as batches of one, each one's loss weight), the split and the weights
+    gradient_scores uses (scores.split_rows, scores.row_weight)."""
     rows, weights = [], []
     for b in batches:
-        split = list(b.split(1)) if b.dim() > 1 else [b.reshape(1, -1)]
-        rows += split
-        weights += [1.0 / len(split)] * len(split)
+        for row in split_rows(b):
+            rows.append(row if row.dim() > 1 else row.reshape(1, -1))
+            weights.append(row_weight(row, b))
     return rows, weights
 
 
@@ -230,7 +236,7 @@ class _Walk:
                 block = self._load(i)
                 save_file({f"row{j}": args[0].float().contiguous() for j, (args, _) in enumerate(captured)},
                           str(self._spill_path(i)))  # fmt: skip
-                hooks = [self.modules[n].register_forward_pre_hook(_observing(o))
+                hooks = [self.modules[n].register_forward_pre_hook(observing(o))
                          for n, o in observers.items() if n.startswith(own)]  # fmt: skip
                 run_block(block, captured, in_place=True)
                 for h in hooks:
@@ -341,13 +347,6 @@ def head_cross_entropy_grad(
         p[inside.nonzero().squeeze(1), targets[inside] - start] -= 1.0
         grad.addmm_(p.mul_(scale[:, None]), w)
     return grad
-
-
-def _observing(observer: MaxObserver):
-    def hook(_m, args):
-        observer.update(args[0])
-
-    return hook
 
 
 __all__ = [

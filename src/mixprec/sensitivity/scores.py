@@ -328,8 +328,8 @@ def gradient_scores(
             # with the rows (a batch of 4 x 512 tokens held 6 GiB on SmolLM2-135M). Each row's mean loss is
             # weighted by its share of the batch's rows, so its gradients are the batch's (windows of one
             # length: the batch's mean is the mean of its rows' means), and the scores sum the same terms
-            for row in _rows(batch):
-                loss = loss_fn(model, row) * (_row_count(row) / _row_count(batch))
+            for row in split_rows(batch):
+                loss = loss_fn(model, row) * row_weight(row, batch)
                 loss.backward()
                 hooks.saved.clear()
             if progress is not None:
@@ -344,13 +344,18 @@ def gradient_scores(
     return totals
 
 
-def _rows(batch: Any) -> list[Any]:
+def split_rows(batch: Any) -> list[Any]:
     """The batch's sequences, each a batch of one (a 1-D batch, or anything but token ids, is one)."""
     return list(batch.split(1)) if isinstance(batch, torch.Tensor) and batch.dim() > 1 else [batch]
 
 
 def _row_count(batch: Any) -> int:
     return len(batch) if isinstance(batch, torch.Tensor) and batch.dim() > 1 else 1
+
+
+def row_weight(row: Any, batch: Any) -> float:
+    """A sequence's share of its batch: its loss's weight, so that the rows' gradients sum to the batch's."""
+    return _row_count(row) / _row_count(batch)
 
 
 def _next_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -469,9 +474,11 @@ __all__ = [
     "candidate_schemes",
     "gradient_scores",
     "kl_scores",
+    "row_weight",
     "run_instead",
     "scorable_linears",
     "score_model",
     "scores_of",
+    "split_rows",
     "static_input_amax",
 ]

@@ -195,7 +195,7 @@ def _walk(model: nn.Module, prefix: str, blocks: Sequence[nn.Module], batches: S
                 if load is not None:
                     load(i)
                 handles = [
-                    modules[n].register_forward_pre_hook(_observing(observers[n]))
+                    modules[n].register_forward_pre_hook(observing(observers[n]))
                     for n in linear_names
                     if aliases.get(n, n).startswith(own)
                 ]
@@ -314,7 +314,7 @@ def block_inputs(model: nn.Module, first: nn.Module, batches: Sequence[torch.Ten
     return captured
 
 
-def _observing(observer: Observer):
+def observing(observer: Observer):
     """A forward pre-hook handing a Linear's input to its observer."""
 
     def hook_fn(_m, args):
@@ -349,6 +349,7 @@ __all__ = [
     "block_inputs",
     "calibrate_blockwise",
     "calibrate_layerwise",
+    "observing",
     "run_block",
     "skeleton",
 ]
