@@ -200,9 +200,8 @@ class _Walk:
         self.ckpt, self.reader, self.spill = ckpt, reader, spill
         self.progress = progress
         self.modules = dict(self.model.named_modules())
-        self.rest: list[
-            tuple[tuple, dict]
-        ] = []  # each sequence's other block arguments (masks, rotary tables)
+        # each sequence's other block arguments (masks, rotary tables)
+        self.rest: list[tuple[tuple, dict]] = []
         self.finals: list[torch.Tensor] = []  # the last block's outputs
 
     def _advance(self, label: str) -> Callable[[], None]:
