@@ -99,7 +99,12 @@ def test_folds_refused_before_any_work(llama_dir, tmp_path, algorithm, scheme, m
 
 @pytest.mark.parametrize(
     ("algorithm", "scheme"),
-    [("rotate", "nvfp4a16"), ("awq", "nvfp4a16"), ("rotate,smoothquant,awq,gptq", "nvfp4")],
+    [
+        ("rotate", "nvfp4a16"),
+        ("awq", "nvfp4a16"),
+        ("rotate,awq", "nvfp4a16"),
+        ("rotate,smoothquant,awq,gptq", "nvfp4"),
+    ],
 )
 def test_online_folds_equal_the_checkpoints_bit_for_bit(llama_dir, calib_file, tmp_path, algorithm, scheme):
     """mixprec.quantize_model_(..., algorithm=<folds>) folds the live model as quantize_checkpoint folds the

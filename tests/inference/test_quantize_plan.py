@@ -153,6 +153,20 @@ def test_rotation_memory_terms(header_only, tmp_path):
     assert not any("load the whole model" in note for note in plan.memory.notes)
 
 
+def test_awq_memory_terms(header_only, tmp_path):
+    """AWQ streams the checkpoint too: the calibration walk and the block's cached inputs; SmoothQuant
+    still loads the whole model, which the plan says it leaves out."""
+    plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", algorithm="rotate,awq", calib_data="unused.txt",
+                         calib_samples=64, calib_seq_len=512, probe=False)  # fmt: skip
+    assert any(n.startswith("rotation, block by block") for n in plan.memory.notes)
+    assert "AWQ, block by block" in plan.memory.formula  # the peak: 64 x 512 tokens' cached inputs
+    cached = plan.memory.terms["AWQ: the block's cached inputs (tokens x (3 hidden + intermediate) x dtype)"]
+    assert cached == 64 * 512 * (3 * 2048 + 5632) * 2
+    smooth = plan_quantize(header_only, tmp_path / "out", "fp8-dynamic", algorithm="smoothquant",
+                           calib_data="unused.txt", probe=False)  # fmt: skip
+    assert any("load the whole model first" in n for n in smooth.memory.notes)
+
+
 def _cli(model: Path, out: Path, *extra: str) -> int:
     return main(["quantize", "--model", str(model), "--output", str(out), "--dry-run", "--quiet", *extra])
 

@@ -78,30 +78,34 @@ def awq_model_(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mappi
     MixprecError, before any change: a model without Llama-like RMSNorm blocks, a scheme for a module
     that is not a Linear of the model, no mapping with a quantized Linear, n_grid < 1, unknown scales,
     bad batches."""
+    found, resolved = awq_plan(model, batches, schemes, n_grid, scales)
+    dtype = next(model.parameters()).dtype
+    started = time.perf_counter()
+    awq = AwqPass(model, found, resolved, n_grid, dtype, scales)
+    calibrate_blockwise(model, batches, [], block_pass=awq)
+    return awq.record(batches, time.perf_counter() - started)
+
+
+def awq_plan(model: nn.Module, batches: Sequence[torch.Tensor], schemes: Mapping[str, InferenceScheme | str],
+             n_grid: int, scales: str, loaded: bool = True) -> tuple[BlockMappings, dict[str, InferenceScheme]]:  # fmt: skip
+    """(the mappings, the schemes resolved) of an AWQ run, every argument checked first (awq_model_'s
+    MixprecErrors); loaded=False: a skeleton on the meta device (block_mappings)."""
     if not isinstance(n_grid, int) or n_grid < 1:
         raise MixprecError(f"AWQ n_grid must be a positive number of grid points, got {n_grid!r}")
     if scales not in AWQ_SCALES:
         raise MixprecError(f"AWQ scales must be one of {', '.join(AWQ_SCALES)}, got {scales!r}")
     check_token_batches(batches)
-    found = block_mappings(model)
-    resolved = _check_schemes(model, schemes)
+    found = block_mappings(model, loaded)
+    resolved = check_schemes(model, schemes)
     if not any(n in resolved for m in found.mappings for n in m.linears):
         raise MixprecError(
             "AWQ scales the Linears that follow a norm or a projection inside the decoder blocks; none of them "
             f"is among the {len(resolved)} quantized Linear(s)"
         )
-    dtype = next(model.parameters()).dtype
-    started = time.perf_counter()
-    awq = AwqPass(model, found, resolved, n_grid, dtype, scales)
-    calibrate_blockwise(model, batches, [], block_pass=awq)
-    return {
-        "algorithm": "awq", "n_grid": n_grid, "scales": scales, "mappings": awq.mappings, "skipped": awq.skipped,
-        "folded": sum(r["folded"] for r in awq.mappings.values()), "tokens": sum(b.numel() for b in batches),
-        "seconds": round(time.perf_counter() - started, 3),
-    }  # fmt: skip
+    return found, resolved
 
 
-def _check_schemes(
+def check_schemes(
     model: nn.Module, schemes: Mapping[str, InferenceScheme | str]
 ) -> dict[str, InferenceScheme]:
     if not isinstance(schemes, Mapping) or not schemes:
@@ -142,7 +146,7 @@ class AwqPass:
     the parents' inputs and the mean |x| of the Linears' inputs during the block's forward, `after`
     searches and folds. `mappings` holds the record of each mapping, `skipped` those left out."""
 
-    def __init__(self, model: nn.Module, found: BlockMappings, schemes: Mapping[str, InferenceScheme],
+    def __init__(self, model: nn.Module | None, found: BlockMappings, schemes: Mapping[str, InferenceScheme],
                  n_grid: int, dtype: torch.dtype, scales: str = DUO) -> None:  # fmt: skip
         self.model, self.found, self.schemes, self.n_grid, self.dtype = model, found, schemes, n_grid, dtype
         self.scales = scales
@@ -153,6 +157,8 @@ class AwqPass:
         self._rows: dict[str, int] = {}
 
     def hooks(self, own: str, modules: dict[str, nn.Module]) -> list[Any]:
+        # the walk's model: the one given, or the skeleton a walk over a checkpoint builds (fold_checkpoint.py)
+        self.model = modules.get("", self.model)
         handles = []
         for m in self._active(own):
             self._inputs[m.parent] = []
@@ -179,6 +185,14 @@ class AwqPass:
         self._abs_sum.clear()
         self._rows.clear()
         return outputs  # the folds leave the block's function unchanged
+
+    def record(self, batches: Sequence[torch.Tensor], seconds: float) -> dict[str, Any]:
+        """The run's record (awq_model_'s return value)."""
+        return {
+            "algorithm": "awq", "n_grid": self.n_grid, "scales": self.scales, "mappings": self.mappings,
+            "skipped": self.skipped, "folded": sum(r["folded"] for r in self.mappings.values()),
+            "tokens": sum(b.numel() for b in batches), "seconds": round(seconds, 3),
+        }  # fmt: skip
 
     def _active(self, own: str) -> list[FoldMapping]:
         active = []
@@ -260,4 +274,12 @@ def _output(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-__all__ = ["NOT_QUANTIZED", "AwqPass", "awq_model_", "awq_scales", "weight_means"]
+__all__ = [
+    "NOT_QUANTIZED",
+    "AwqPass",
+    "awq_model_",
+    "awq_plan",
+    "awq_scales",
+    "check_schemes",
+    "weight_means",
+]

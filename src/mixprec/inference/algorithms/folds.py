@@ -74,10 +74,11 @@ class BlockMappings:
         return [m for m in self.mappings if m.previous.startswith(prefix)]
 
 
-def block_mappings(model: nn.Module) -> BlockMappings:
+def block_mappings(model: nn.Module, loaded: bool = True) -> BlockMappings:
     """Every decoder block's mappings; MixprecError (nothing changed) when the model has no Llama-like
     RMSNorm blocks, a block's norm is not a plain scaling by its weight, or a weight to fold holds
-    NaN or inf."""
+    NaN or inf. loaded=False: a skeleton whose weights are on the meta device (fold_checkpoint.py):
+    the structure is checked here, each block's norms and weights by check_block once it is read."""
     modules = dict(model.named_modules())
     blocks = [name for name in modules if _is_llama_block(modules, name)]
     if not blocks:
@@ -90,7 +91,7 @@ def block_mappings(model: nn.Module) -> BlockMappings:
     skipped: dict[str, str] = {}
     for block in blocks:
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            why = _norm_reason(modules[f"{block}.{norm}"])
+            why = _norm_reason(modules[f"{block}.{norm}"], probe=loaded)
             if why:
                 raise MixprecError(f"cannot fold scales into {block}.{norm}: {why}")
         for previous, linears, parent in (_ATTN_IN, _ATTN_OUT, _MLP_IN, _MLP_OUT):
@@ -104,10 +105,25 @@ def block_mappings(model: nn.Module) -> BlockMappings:
             else:
                 mappings.append(m)
     found = BlockMappings(tuple(mappings), skipped)
-    for m in found.mappings:  # a NaN met halfway would leave the earlier blocks folded
+    if loaded:  # a NaN met halfway would leave the earlier blocks folded
+        _check_weights(modules, found.mappings)
+    return found
+
+
+def check_block(modules: dict[str, nn.Module], found: BlockMappings, prefix: str) -> None:
+    """The checks block_mappings(loaded=False) left for when the block `prefix` ('model.layers.3.') is
+    read: its norms scale with their weights, its weights to fold are finite."""
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        why = _norm_reason(modules[f"{prefix}{norm}"])
+        if why:
+            raise MixprecError(f"cannot fold scales into {prefix}{norm}: {why}")
+    _check_weights(modules, found.inside(prefix))
+
+
+def _check_weights(modules: dict[str, nn.Module], mappings) -> None:
+    for m in mappings:
         for name in (m.previous, *m.linears):
             check_finite(modules[name].weight.detach(), f"{name}.weight")
-    return found
 
 
 def _is_llama_block(modules: dict[str, nn.Module], name: str) -> bool:
@@ -121,13 +137,16 @@ def _is_llama_block(modules: dict[str, nn.Module], name: str) -> bool:
     )
 
 
-def _norm_reason(norm: nn.Module) -> str | None:
-    """Why dividing this norm's weight by s does not divide its output by s, or None."""
+def _norm_reason(norm: nn.Module, probe: bool = True) -> str | None:
+    """Why dividing this norm's weight by s does not divide its output by s, or None (probe=False: the
+    weight is not read yet; everything but the probe)."""
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return f"{type(norm).__name__} has no 1-D weight"
     if getattr(norm, "bias", None) is not None:
         return f"{type(norm).__name__} has a bias (an RMSNorm has none)"
+    if not probe:
+        return None
     # the output must scale with the weight: norm(x; 2w) == 2 norm(x; w) (not so for Gemma's 1 + w)
     probe = torch.randn(2, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight)
     with torch.no_grad():
@@ -207,6 +226,7 @@ __all__ = [
     "BlockMappings",
     "FoldMapping",
     "block_mappings",
+    "check_block",
     "check_scales",
     "check_token_batches",
     "fold_scales_",

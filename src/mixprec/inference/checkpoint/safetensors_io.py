@@ -20,7 +20,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -482,6 +482,16 @@ class _ShardHash:
     def finish(self) -> str:
         self._thread.shutdown(wait=True)
         return self._sha.hexdigest()
+
+
+def read_chunks(reader: ShardReader, info: TensorInfo, buf: torch.Tensor) -> Iterator[memoryview]:
+    """A tensor's bytes in pieces of len(buf) bytes, each read into `buf` (uint8) and handed out as a
+    view of it: a tensor copied to a PlannedShardWriter.write_chunks without being whole in memory."""
+    view = memoryview(buf.numpy())
+    for start in range(0, info.nbytes, len(buf)):
+        n = min(len(buf), info.nbytes - start)
+        reader.read_range(info, start, view[:n])
+        yield view[:n]
 
 
 def index_text(weight_map: dict[str, str], total_size: int) -> str | None:

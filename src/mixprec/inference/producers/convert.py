@@ -55,6 +55,7 @@ from mixprec.inference.checkpoint.safetensors_io import (
     check_output,
     copy_side_files,
     open_checkpoint,
+    read_chunks,
 )
 from mixprec.inference.checkpoint.stored_modules import (
     StoredModule,
@@ -133,7 +134,7 @@ def convert_checkpoint(
                 mv = moves.get(n)
                 if mv is None or mv.how == "copy":
                     name = mv.name if mv else n
-                    writer.write_chunks(name, info.dtype, info.shape, _chunks(reader, info, buf))
+                    writer.write_chunks(name, info.dtype, info.shape, read_chunks(reader, info, buf))
                     copied_payload += info.nbytes if mv is not None else 0
                 else:
                     writer.write(mv.name, _transform(reader.get(info), mv))
@@ -240,14 +241,6 @@ def _transform(t: torch.Tensor, mv: _Move) -> torch.Tensor:
         values = [reciprocal_f32(float(v)) for v in t.double().reshape(-1)]
         return torch.tensor(values, dtype=torch.float32).reshape(mv.shape)
     return t.to(mv.dtype).reshape(mv.shape)  # widening a float to float32 is exact
-
-
-def _chunks(reader: ShardReader, info: TensorInfo, buf: torch.Tensor):
-    view = memoryview(buf.numpy())
-    for start in range(0, info.nbytes, _CHUNK_BYTES):
-        n = min(_CHUNK_BYTES, info.nbytes - start)
-        reader.read_range(info, start, view[:n])
-        yield view[:n]
 
 
 # ---------------------------------------------------------------------------------------------------

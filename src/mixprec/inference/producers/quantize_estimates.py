@@ -312,6 +312,16 @@ def rotation_memory(s: Shapes, baseline: int, chunk_rows: int) -> dict[str, floa
     }
 
 
+def awq_memory(s: Shapes, baseline: int, tokens: int, seq_len: int) -> dict[str, float]:
+    """AWQ streamed over the checkpoint (algorithms/fold_checkpoint.py): the calibration walk, plus the
+    inputs of the block's searched modules (attention, o_proj, the MLP, down_proj) cached for the search."""
+    cached = tokens * (3 * s.hidden + s.intermediate) * s.act_bytes
+    return {
+        **layerwise_memory(s, baseline, tokens, seq_len, None),
+        "AWQ: the block's cached inputs (tokens x (3 hidden + intermediate) x dtype)": cached,
+    }
+
+
 def whole_model_memory(s: Shapes, baseline: int, seq_len: int) -> dict[str, float]:
     """Whole-model calibration (quantize_calibration._calibrate_whole_model): the model loaded whole."""
     return {

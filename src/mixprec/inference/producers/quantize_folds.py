@@ -23,11 +23,12 @@ from typing import Any
 
 from mixprec.conversion import ConversionReport
 from mixprec.hf import load_model, load_tokenizer, transformers_progress
+from mixprec.inference.algorithms.fold_checkpoint import awq_checkpoint
 from mixprec.inference.algorithms.fold_stage import fold_model_, fold_names, folds_need_data
 from mixprec.inference.algorithms.rotation_checkpoint import rotate_checkpoint
-from mixprec.inference.algorithms.spec import ROTATE
+from mixprec.inference.algorithms.spec import AWQ, ROTATE, SMOOTHQUANT
 from mixprec.inference.calibration.across_ranks import broadcast_object
-from mixprec.inference.calibration.data import token_batches
+from mixprec.inference.calibration.data import token_batches, tokens_sha256
 from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
 from mixprec.inference.producers.resume import PartialRun
@@ -74,12 +75,11 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
 
 
 def _fold_into(job: QuantizeJob, source: Source, selection: Selection, tmp: Path) -> dict[str, Any]:
-    """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready). The rotation alone needs
-    no model in memory: it streams the checkpoint block by block (rotation_checkpoint.py), the same
-    tensors bit for bit."""
-    if fold_names(job.algorithm) == [ROTATE]:
-        params = job.algorithm.folds
-        return {ROTATE: rotate_checkpoint(job.model_dir, tmp, seed=params.seed, r2=params.r2)}
+    """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready). The rotation and AWQ
+    need no model in memory: they stream the checkpoint block by block (rotation_checkpoint.py,
+    fold_checkpoint.py), the same tensors bit for bit; SmoothQuant loads it."""
+    if SMOOTHQUANT not in fold_names(job.algorithm):
+        return _fold_streamed(job, source, selection, tmp)
     with transformers_progress(job.progress):
         model = load_model(job.model_dir, dtype="auto").eval()
     batches = None
@@ -91,6 +91,32 @@ def _fold_into(job: QuantizeJob, source: Source, selection: Selection, tmp: Path
     with transformers_progress(job.progress):
         model.save_pretrained(tmp, safe_serialization=True)
     copy_side_files(job.model_dir, tmp, skip={p.name for p in tmp.iterdir()})
+    return record
+
+
+def _fold_streamed(job: QuantizeJob, source: Source, selection: Selection, tmp: Path) -> dict[str, Any]:
+    """The rotation and / or AWQ over the checkpoint, block by block: the rotation into `tmp` (or, before
+    AWQ, into a directory beside it, removed afterwards), AWQ from there into `tmp`."""
+    folds, params = fold_names(job.algorithm), job.algorithm.folds
+    record: dict[str, Any] = {}
+    source_dir = job.model_dir
+    rotated = tmp.with_name(tmp.name + ".rotated") if AWQ in folds else tmp
+    try:
+        if ROTATE in folds:
+            rotated.mkdir(exist_ok=True)
+            record[ROTATE] = rotate_checkpoint(source_dir, rotated, seed=params.seed, r2=params.r2)
+            source_dir = rotated
+        if AWQ in folds:
+            batches = token_batches(
+                source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len
+            )
+            schemes = {n: selection.schemes[n] for n in selection.targets}
+            record[AWQ] = awq_checkpoint(source_dir, tmp, batches, schemes, n_grid=params.n_grid,
+                                         scales=params.awq_scales)  # fmt: skip
+            record[AWQ]["data_sha256"] = tokens_sha256(batches)  # as fold_model_ records the data folds
+    finally:
+        if rotated != tmp:
+            shutil.rmtree(rotated, ignore_errors=True)
     return record
 
 

@@ -28,7 +28,7 @@ from mixprec.conversion import ConversionReport
 from mixprec.inference.algorithms.gptq import CHUNK_BYTES
 from mixprec.inference.algorithms.gptq_pass import input_groups
 from mixprec.inference.algorithms.rotation import CHUNK_ROWS
-from mixprec.inference.algorithms.spec import FOLDS, ROTATE, AlgorithmSpec
+from mixprec.inference.algorithms.spec import AWQ, FOLDS, ROTATE, SMOOTHQUANT, AlgorithmSpec
 from mixprec.inference.calibration.run import StopRule
 from mixprec.inference.checkpoint.algorithm_file import ALGORITHM_FILE
 from mixprec.inference.checkpoint.layout import planned_tensors
@@ -298,13 +298,16 @@ def _estimates(job: QuantizeJob, ckpt: Checkpoint, s: est.Shapes, selection: Sel
             stages["calibration, whole model"] = est.whole_model_memory(s, baseline, job.calib_seq_len)
     notes = [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in stages.items()]
     folds = [n for n in job.algorithm.names if n in FOLDS]
-    if folds == [ROTATE]:  # streamed over the checkpoint first (rotation_checkpoint.py)
-        stages["rotation, block by block"] = est.rotation_memory(s, baseline, CHUNK_ROWS)
-        notes.append(
-            f"rotation, block by block: {sum(stages['rotation, block by block'].values()) / 2**30:.2f} GiB"
-        )
-    elif folds:
+    if SMOOTHQUANT in folds:
         notes.append(f"not included: the folds ({', '.join(folds)}) load the whole model first")
+    else:  # streamed over the checkpoint first (rotation_checkpoint.py, fold_checkpoint.py)
+        streamed = {}
+        if ROTATE in folds:
+            streamed["rotation, block by block"] = est.rotation_memory(s, baseline, CHUNK_ROWS)
+        if AWQ in folds:
+            streamed["AWQ, block by block"] = est.awq_memory(s, baseline, tokens, job.calib_seq_len)
+        stages.update(streamed)
+        notes += [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in streamed.items()]
     peak_stage = max(stages, key=lambda k: sum(stages[k].values()))
     memory = est.Estimate(stages[peak_stage], f"peak of the stages: {peak_stage} (docs/quantize.md)", notes)
     if p is None:

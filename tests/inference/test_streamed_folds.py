@@ -1,5 +1,6 @@
-"""The rotation streamed over a checkpoint (algorithms/rotation_checkpoint.py): bit for bit what
-rotate_model_ gives the loaded model, one block in memory at a time, refused before anything is written."""
+"""The folds streamed over a checkpoint: the rotation (algorithms/rotation_checkpoint.py) and AWQ
+(algorithms/fold_checkpoint.py), bit for bit what rotate_model_ / awq_model_ give the loaded model, one
+block in memory at a time, refused before anything is written."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from safetensors.torch import load_file, save_file
 import mixprec.inference.algorithms.rotation as rotation
 import mixprec.inference.algorithms.rotation_checkpoint as rotation_checkpoint
 from mixprec.errors import MixprecError
+from mixprec.inference.algorithms.awq import awq_model_
+from mixprec.inference.algorithms.fold_checkpoint import awq_checkpoint
 from mixprec.inference.algorithms.rotation import rotate_model_
 from mixprec.inference.algorithms.rotation_checkpoint import rotate_checkpoint
 
@@ -91,4 +94,37 @@ def test_a_tensor_the_rotation_does_not_know_is_refused_before_anything_is_writt
     out.mkdir()
     with pytest.raises(MixprecError, match=r"does not know: model\.extra_scale"):
         rotate_checkpoint(src, out)
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "fp8-dynamic"])
+def test_streamed_awq_equals_awq_model_bit_for_bit(tmp_path, scheme):
+    src = _save_llama(tmp_path / "src", tied=True, hidden=128, heads=4)
+    batches = [torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    model = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    schemes = {
+        n: scheme for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+    }
+    out = tmp_path / "folded"
+    out.mkdir()
+    record = awq_checkpoint(src, out, batches, schemes, n_grid=4)
+    want = awq_model_(model, batches, schemes, n_grid=4)
+    assert record["mappings"] == want["mappings"] and record["skipped"] == want["skipped"]
+    assert record["folded"] > 0
+    got = _tensors(out)
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_streamed_awq_refuses_before_writing(tmp_path):
+    src = _save_llama(tmp_path / "src", tied=False, hidden=128, heads=4)
+    out = tmp_path / "folded"
+    out.mkdir()
+    batches = [torch.randint(0, 320, (2, 32))]
+    with pytest.raises(MixprecError, match="none of them is among"):
+        awq_checkpoint(src, out, batches, {"lm_head": "nvfp4a16"})
+    with pytest.raises(MixprecError, match="n_grid"):
+        awq_checkpoint(src, out, batches, {"model.layers.0.mlp.up_proj": "nvfp4a16"}, n_grid=0)
     assert list(out.iterdir()) == []
