@@ -154,8 +154,8 @@ def test_rotation_memory_terms(header_only, tmp_path):
 
 
 def test_awq_memory_terms(header_only, tmp_path):
-    """AWQ streams the checkpoint too: the calibration walk and the block's cached inputs; SmoothQuant
-    still loads the whole model, which the plan says it leaves out."""
+    """AWQ streams the checkpoint too: the calibration walk and the block's cached inputs; so does
+    SmoothQuant (the calibration walk's terms)."""
     plan = plan_quantize(header_only, tmp_path / "out", "nvfp4a16", algorithm="rotate,awq", calib_data="unused.txt",
                          calib_samples=64, calib_seq_len=512, probe=False)  # fmt: skip
     assert any(n.startswith("rotation, block by block") for n in plan.memory.notes)
@@ -164,7 +164,8 @@ def test_awq_memory_terms(header_only, tmp_path):
     assert cached == 64 * 512 * (3 * 2048 + 5632) * 2
     smooth = plan_quantize(header_only, tmp_path / "out", "fp8-dynamic", algorithm="smoothquant",
                            calib_data="unused.txt", probe=False)  # fmt: skip
-    assert any("load the whole model first" in n for n in smooth.memory.notes)
+    assert any(n.startswith("SmoothQuant, block by block") for n in smooth.memory.notes)
+    assert not any("whole model" in n for n in smooth.memory.notes)
 
 
 def _cli(model: Path, out: Path, *extra: str) -> int:

@@ -128,3 +128,25 @@ def test_streamed_awq_refuses_before_writing(tmp_path):
     with pytest.raises(MixprecError, match="n_grid"):
         awq_checkpoint(src, out, batches, {"model.layers.0.mlp.up_proj": "nvfp4a16"}, n_grid=0)
     assert list(out.iterdir()) == []
+
+
+def test_streamed_smoothquant_equals_smoothquant_model_bit_for_bit(tmp_path):
+    from mixprec.inference.algorithms.fold_checkpoint import smoothquant_checkpoint
+    from mixprec.inference.algorithms.smoothquant import smoothquant_model_
+
+    src = _save_llama(tmp_path / "src", tied=False, hidden=128, heads=4)
+    batches = [torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    out = tmp_path / "folded"
+    out.mkdir()
+    record = smoothquant_checkpoint(src, out, batches, alpha=0.6)
+    model = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    want = smoothquant_model_(model, batches, alpha=0.6)
+    assert record["mappings"] == want["mappings"] and record["skipped"] == want["skipped"]
+    got = _tensors(out)
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    assert set(got) == set(expected)
+    changed = 0
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+        changed += not torch.equal(tensor, _tensors(src)[name])
+    assert changed > 0  # it did smooth something

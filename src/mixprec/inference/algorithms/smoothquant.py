@@ -27,6 +27,7 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.inference.algorithms.folds import (
     NORM,
+    BlockMappings,
     FoldMapping,
     block_mappings,
     check_token_batches,
@@ -55,28 +56,43 @@ def smoothquant_model_(
     record: alpha, and per mapping the activations' max/median ratio over channels before and after
     (the max of each channel, computed from the observed maxima and s). MixprecError, before any
     change, for a model without Llama-like RMSNorm blocks, alpha outside [0, 1] or bad batches."""
-    if not 0.0 <= float(alpha) <= 1.0:
-        raise MixprecError(f"SmoothQuant alpha (migration strength) must be in [0, 1], got {alpha}")
-    check_token_batches(batches)
-    found = block_mappings(model)
-    mappings = [m for m in found.mappings if m.kind == NORM or m.previous.endswith("up_proj")]
+    found, mappings = smoothquant_plan(model, batches, alpha)
     started = time.perf_counter()
     x_max = _activation_max(model, mappings, batches)
     modules = dict(model.named_modules())
     record: dict[str, Any] = {}
     for m in mappings:
-        w_max = torch.stack([modules[n].weight.detach().abs().amax(dim=0).float() for n in m.linears]).amax(
-            dim=0
-        )
-        s = smoothing_scales(x_max[m.linears[0]], w_max, alpha)
-        fold_scales_(model, m, s)
-        smoothed = x_max[m.linears[0]] / s
-        record[m.name] = {"max_over_median_before": _spread(x_max[m.linears[0]]),
-                          "max_over_median_after": _spread(smoothed)}  # fmt: skip
+        record[m.name] = smooth_mapping_(model, modules, m, x_max[m.linears[0]], alpha)
+    return smoothquant_record(found, mappings, record, alpha, batches, time.perf_counter() - started)
+
+
+def smoothquant_plan(model: nn.Module, batches: Sequence[torch.Tensor], alpha: float,
+                     loaded: bool = True) -> tuple[BlockMappings, list[FoldMapping]]:  # fmt: skip
+    """(every mapping, those SmoothQuant smooths) with the arguments checked (loaded=False: a skeleton on
+    the meta device, block_mappings)."""
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise MixprecError(f"SmoothQuant alpha (migration strength) must be in [0, 1], got {alpha}")
+    check_token_batches(batches)
+    found = block_mappings(model, loaded)
+    return found, [m for m in found.mappings if m.kind == NORM or m.previous.endswith("up_proj")]
+
+
+def smooth_mapping_(model: nn.Module, modules: dict[str, nn.Module], m: FoldMapping, x_max: torch.Tensor,
+                    alpha: float) -> dict[str, float]:  # fmt: skip
+    """Fold one mapping's smoothing scales, from its inputs' channel maxima and its weights as they stand
+    (after the block's earlier mappings); its record."""
+    w_max = torch.stack([modules[n].weight.detach().abs().amax(dim=0).float() for n in m.linears]).amax(dim=0)
+    s = smoothing_scales(x_max, w_max, alpha)
+    fold_scales_(model, m, s)
+    return {"max_over_median_before": _spread(x_max), "max_over_median_after": _spread(x_max / s)}
+
+
+def smoothquant_record(found: BlockMappings, mappings: list[FoldMapping], record: dict[str, Any], alpha: float,
+                       batches: Sequence[torch.Tensor], seconds: float) -> dict[str, Any]:  # fmt: skip
     skipped = {**found.skipped, **{m.name: "SmoothQuant smooths norm -> Linears and up_proj -> down_proj only"
                                    for m in found.mappings if m not in mappings}}  # fmt: skip
     return {"algorithm": "smoothquant", "alpha": float(alpha), "mappings": record, "skipped": skipped,
-            "tokens": sum(b.numel() for b in batches), "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip
+            "tokens": sum(b.numel() for b in batches), "seconds": round(seconds, 3)}  # fmt: skip
 
 
 def smoothing_scales(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -87,19 +103,25 @@ def smoothing_scales(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> 
     return torch.where(live, s, torch.ones_like(s))
 
 
-def _activation_max(model: nn.Module, mappings: list[FoldMapping], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:  # fmt: skip
-    """{first following Linear: max |x| per input channel} over every calibration batch (fp32)."""
-    modules = dict(model.named_modules())
-    maxima: dict[str, torch.Tensor] = {}
+class ChannelMaxima:
+    """{first following Linear: max |x| per input channel} of mappings, from pre-hooks on those Linears."""
 
-    def observe(name: str):
+    def __init__(self) -> None:
+        self.maxima: dict[str, torch.Tensor] = {}
+
+    def observe(self, name: str):
         def hook(_m, args):
             x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0).float()
-            maxima[name] = torch.maximum(maxima[name], x) if name in maxima else x
+            self.maxima[name] = torch.maximum(self.maxima[name], x) if name in self.maxima else x
 
         return hook
 
-    handles = [modules[m.linears[0]].register_forward_pre_hook(observe(m.linears[0])) for m in mappings]
+
+def _activation_max(model: nn.Module, mappings: list[FoldMapping], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{first following Linear: max |x| per input channel} over every calibration batch (fp32)."""
+    modules = dict(model.named_modules())
+    seen = ChannelMaxima()
+    handles = [modules[m.linears[0]].register_forward_pre_hook(seen.observe(m.linears[0])) for m in mappings]
     was_training = model.training
     model.eval()
     try:
@@ -111,7 +133,7 @@ def _activation_max(model: nn.Module, mappings: list[FoldMapping], batches: Sequ
         for h in handles:
             h.remove()
         model.train(was_training)
-    return maxima
+    return seen.maxima
 
 
 def _spread(channel_max: torch.Tensor) -> float:
@@ -120,4 +142,12 @@ def _spread(channel_max: torch.Tensor) -> float:
     return float(channel_max.max()) / med if med > 0 else float("inf")
 
 
-__all__ = ["smoothing_scales", "smoothquant_applies", "smoothquant_model_"]
+__all__ = [
+    "ChannelMaxima",
+    "smooth_mapping_",
+    "smoothing_scales",
+    "smoothquant_applies",
+    "smoothquant_model_",
+    "smoothquant_plan",
+    "smoothquant_record",
+]

@@ -3,12 +3,13 @@ of the weights that leave the model's function unchanged in exact arithmetic and
 round. They run first, in the order rotate -> smoothquant -> awq (spec.RUN_ORDER). Calibration and
 GPTQ then see the folded model.
 
-The model is loaded whole, folded in place, and saved in its own dtype (safetensors, with the input's
-side files) to a temporary directory beside the output. The rest of the pipeline reads that
-directory as its input, and it is removed when the quantization ends, however it ends. The written
-checkpoint is an ordinary one (rotation unties a tied head: config.json says so), served unchanged by
-the engines. Memory: the whole model, where the other stages hold one block at a time; except for the
-rotation alone, which streams the checkpoint one block at a time (rotation_checkpoint.py).
+Each fold streams the checkpoint one block at a time (rotation_checkpoint.py, fold_checkpoint.py: the
+tensors the folds give a loaded model, bit for bit) and writes the folded checkpoint in its own dtype
+(safetensors, with the input's side files) to a temporary directory beside the output; a fold after it
+reads that one. The rest of the pipeline reads the last as its input, and every one is removed when the
+quantization ends, however it ends. The written checkpoint is an ordinary one (rotation unties a tied
+head: config.json says so), served unchanged by the engines. Memory: one block at a time, as the other
+stages; disk: up to two folded copies of the model at once.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.conversion import ConversionReport
-from mixprec.hf import load_model, load_tokenizer, transformers_progress
-from mixprec.inference.algorithms.fold_checkpoint import awq_checkpoint
-from mixprec.inference.algorithms.fold_stage import fold_model_, fold_names, folds_need_data
+from mixprec.hf import load_tokenizer
+from mixprec.inference.algorithms.fold_checkpoint import awq_checkpoint, smoothquant_checkpoint
+from mixprec.inference.algorithms.fold_stage import fold_names, folds_need_data
 from mixprec.inference.algorithms.rotation_checkpoint import rotate_checkpoint
-from mixprec.inference.algorithms.spec import AWQ, ROTATE, SMOOTHQUANT
+from mixprec.inference.algorithms.spec import ROTATE, SMOOTHQUANT
 from mixprec.inference.calibration.across_ranks import broadcast_object
 from mixprec.inference.calibration.data import token_batches, tokens_sha256
-from mixprec.inference.checkpoint.safetensors_io import copy_side_files, open_checkpoint
+from mixprec.inference.checkpoint.safetensors_io import open_checkpoint
 from mixprec.inference.producers.quantize_job import QuantizeJob, Selection, Source, read_source_config
 from mixprec.inference.producers.resume import PartialRun
 from mixprec.ranks import is_main_process
@@ -75,48 +76,40 @@ def folded(job: QuantizeJob, source: Source, report: ConversionReport,
 
 
 def _fold_into(job: QuantizeJob, source: Source, selection: Selection, tmp: Path) -> dict[str, Any]:
-    """Load, fold in run order, save to `tmp`; each fold's record (JSON-ready). The rotation and AWQ
-    need no model in memory: they stream the checkpoint block by block (rotation_checkpoint.py,
-    fold_checkpoint.py), the same tensors bit for bit; SmoothQuant loads it."""
-    if SMOOTHQUANT not in fold_names(job.algorithm):
-        return _fold_streamed(job, source, selection, tmp)
-    with transformers_progress(job.progress):
-        model = load_model(job.model_dir, dtype="auto").eval()
+    """Fold in run order over the checkpoint, block by block, the last fold writing `tmp`; each fold's
+    record (JSON-ready). Each fold reads the one before's output, a directory beside `tmp` removed once
+    read (rotation_checkpoint.py, fold_checkpoint.py: the tensors of the folds on a loaded model, bit
+    for bit)."""
+    folds, params = fold_names(job.algorithm), job.algorithm.folds
     batches = None
     if folds_need_data(job.algorithm):
         batches = token_batches(
             source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len
         )
-    record = fold_model_(model, job.algorithm, batches, {n: selection.schemes[n] for n in selection.targets})
-    with transformers_progress(job.progress):
-        model.save_pretrained(tmp, safe_serialization=True)
-    copy_side_files(job.model_dir, tmp, skip={p.name for p in tmp.iterdir()})
-    return record
-
-
-def _fold_streamed(job: QuantizeJob, source: Source, selection: Selection, tmp: Path) -> dict[str, Any]:
-    """The rotation and / or AWQ over the checkpoint, block by block: the rotation into `tmp` (or, before
-    AWQ, into a directory beside it, removed afterwards), AWQ from there into `tmp`."""
-    folds, params = fold_names(job.algorithm), job.algorithm.folds
+    schemes = {n: selection.schemes[n] for n in selection.targets}
     record: dict[str, Any] = {}
-    source_dir = job.model_dir
-    rotated = tmp.with_name(tmp.name + ".rotated") if AWQ in folds else tmp
+    source_dir, intermediate = job.model_dir, []
     try:
-        if ROTATE in folds:
-            rotated.mkdir(exist_ok=True)
-            record[ROTATE] = rotate_checkpoint(source_dir, rotated, seed=params.seed, r2=params.r2)
-            source_dir = rotated
-        if AWQ in folds:
-            batches = token_batches(
-                source.texts, load_tokenizer(job.model_dir), job.calib_samples, job.calib_seq_len
-            )
-            schemes = {n: selection.schemes[n] for n in selection.targets}
-            record[AWQ] = awq_checkpoint(source_dir, tmp, batches, schemes, n_grid=params.n_grid,
-                                         scales=params.awq_scales)  # fmt: skip
-            record[AWQ]["data_sha256"] = tokens_sha256(batches)  # as fold_model_ records the data folds
+        for i, fold in enumerate(folds):
+            out = tmp if i == len(folds) - 1 else tmp.with_name(f"{tmp.name}.{fold}")
+            if out != tmp:
+                intermediate.append(out)
+            out.mkdir(exist_ok=True)
+            if fold == ROTATE:
+                record[fold] = rotate_checkpoint(source_dir, out, seed=params.seed, r2=params.r2)
+            elif fold == SMOOTHQUANT:
+                record[fold] = smoothquant_checkpoint(source_dir, out, batches, alpha=params.alpha)
+            else:
+                record[fold] = awq_checkpoint(source_dir, out, batches, schemes, n_grid=params.n_grid,
+                                              scales=params.awq_scales)  # fmt: skip
+            if fold != ROTATE:  # the data folds name their tokens, as fold_model_ records them
+                record[fold]["data_sha256"] = tokens_sha256(batches)
+            if source_dir in intermediate:  # read: at most two folded copies on disk at a time
+                shutil.rmtree(source_dir, ignore_errors=True)
+            source_dir = out
     finally:
-        if rotated != tmp:
-            shutil.rmtree(rotated, ignore_errors=True)
+        for d in intermediate:
+            shutil.rmtree(d, ignore_errors=True)
     return record
 
 

@@ -298,16 +298,17 @@ def _estimates(job: QuantizeJob, ckpt: Checkpoint, s: est.Shapes, selection: Sel
             stages["calibration, whole model"] = est.whole_model_memory(s, baseline, job.calib_seq_len)
     notes = [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in stages.items()]
     folds = [n for n in job.algorithm.names if n in FOLDS]
+    streamed = {}  # the folds, each streamed over the checkpoint first (rotation_checkpoint.py, fold_checkpoint.py)
+    if ROTATE in folds:
+        streamed["rotation, block by block"] = est.rotation_memory(s, baseline, CHUNK_ROWS)
     if SMOOTHQUANT in folds:
-        notes.append(f"not included: the folds ({', '.join(folds)}) load the whole model first")
-    else:  # streamed over the checkpoint first (rotation_checkpoint.py, fold_checkpoint.py)
-        streamed = {}
-        if ROTATE in folds:
-            streamed["rotation, block by block"] = est.rotation_memory(s, baseline, CHUNK_ROWS)
-        if AWQ in folds:
-            streamed["AWQ, block by block"] = est.awq_memory(s, baseline, tokens, job.calib_seq_len)
-        stages.update(streamed)
-        notes += [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in streamed.items()]
+        streamed["SmoothQuant, block by block"] = est.layerwise_memory(
+            s, baseline, tokens, job.calib_seq_len, None
+        )
+    if AWQ in folds:
+        streamed["AWQ, block by block"] = est.awq_memory(s, baseline, tokens, job.calib_seq_len)
+    stages.update(streamed)
+    notes += [f"{name}: {sum(t.values()) / 2**30:.2f} GiB" for name, t in streamed.items()]
     peak_stage = max(stages, key=lambda k: sum(stages[k].values()))
     memory = est.Estimate(stages[peak_stage], f"peak of the stages: {peak_stage} (docs/quantize.md)", notes)
     if p is None:
@@ -334,14 +335,15 @@ def _gptq_memory(s: est.Shapes, selection: Selection) -> est.GptqMemory:
 
 def _disk(job: QuantizeJob, plan: QuantizePlan) -> dict[str, Any]:
     """Free space at the output's nearest existing ancestor; what the run writes there (the output, the
-    folded model's temporary copy when a fold runs, GPTQ's rounded weights spilled beside the output)."""
+    folded model's temporary copies when a fold runs (two at once with several folds), GPTQ's rounded weights spilled beside the output)."""
     at = job.output_dir.absolute().parent
     while not at.exists():
         at = at.parent
     free = shutil.disk_usage(at).free
     needed = plan.output_bytes
-    if any(n in FOLDS for n in job.algorithm.names):
-        needed += plan.input_bytes
+    folds = [n for n in job.algorithm.names if n in FOLDS]
+    if folds:  # the folded copies: a fold after another reads the one before's while it writes its own
+        needed += plan.input_bytes * min(2, len(folds))
     if job.algorithm.uses_gptq:
         needed += plan.output_bytes  # the spill: the rounded Linears, at most the output's size
     return {"at": str(at), "free_bytes": free, "needed_bytes": needed, "fits": needed <= free}
