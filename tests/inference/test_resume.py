@@ -72,12 +72,13 @@ def _kill_after_shard(monkeypatch, k: int) -> None:
 
 
 def _kill_mid_shard(monkeypatch, n_writes: int) -> None:
-    """Raise on the n-th tensor written: a shard file half written, not recorded as finished."""
+    """Raise on the n-th tensor written to the output: a shard file half written, not recorded as
+    finished (the streamed folds write their own checkpoints with the same writer: not counted)."""
     calls = {"n": 0}
     original = PlannedShardWriter.write
 
     def write(self, name, tensor):
-        calls["n"] += 1
+        calls["n"] += self.out_dir.name == OUTPUT_SUBDIR
         if calls["n"] == n_writes:
             raise SimulatedKill(f"at tensor {name}")
         original(self, name, tensor)
@@ -121,6 +122,29 @@ def _interrupt(monkeypatch, kill: str, llama_dir, out, case, calib_file) -> None
     partial = sorted(p.name for p in (work / OUTPUT_SUBDIR).iterdir())
     assert "config.json" not in partial  # (the index is there only once every shard is)
     assert "model.safetensors.index.json" not in partial or kill == "before-publish"
+
+
+def test_killed_in_the_streamed_fold_leaves_nothing_and_a_rerun_writes_the_same(references, llama_dir, calib_file,
+                                                                                 tmp_path, monkeypatch):  # fmt: skip
+    """A run killed while the rotation writes its folded checkpoint has no finished work: nothing is kept
+    (no work directory, no folded copy), and running it again gives the uninterrupted run's bytes."""
+    out = tmp_path / "q"
+    calls = {"n": 0}
+    original = PlannedShardWriter.write
+
+    def write(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise SimulatedKill(f"in the fold, at tensor {name}")
+        original(self, name, tensor)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(PlannedShardWriter, "write", write)
+        with pytest.raises(SimulatedKill):
+            _quantize(llama_dir, out, "fp8-dynamic+rotate", calib_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    _quantize(llama_dir, out, "fp8-dynamic+rotate", calib_file, resume=True)
+    assert directory_files(out) == directory_files(references["fp8-dynamic+rotate"])
 
 
 @pytest.mark.parametrize("kill", [*KILLS, "after-calibration"])

@@ -8,7 +8,8 @@ The walk is the one `awq_model_` runs on a loaded model, over the checkpoint ins
 (calibration/layerwise.py: the first block's inputs from the embedding rows of the tokens, then each
 block read, run, searched and folded by the same AwqPass, its outputs the next block's inputs). After
 each block's search and folds its tensors are written, then it is dropped. The tensors outside the blocks,
-which AWQ does not change, are copied first, in 16 MiB pieces. So the checkpoint written is bit for bit
+which AWQ does not change, are copied in 16 MiB pieces, in the model's order (the embedding before the
+blocks, the norm and head after them). So the checkpoint written is bit for bit
 what `awq_model_` followed by a save gives (tested).
 
 Checked before anything is read: the arguments and the structure (awq_plan on the skeleton). Each block's
@@ -80,25 +81,34 @@ class _WritingPass:
 
 
 class _Layout:
-    """Which checkpoint tensors lie in which block (`owns`: 'model.layers.3.'), which outside, and the
-    order written: the outside ones first (copied unchanged), then block after block."""
+    """Which checkpoint tensors lie in which block (`owns`: 'model.layers.3.') and which outside; the order
+    written is the model's own (its state dict's, as a save of the loaded model writes it): the outside
+    tensors before the blocks (the embedding) copied unchanged first, then block after block, then the
+    outside tensors after them (the final norm, the head)."""
 
-    def __init__(self, ckpt: Checkpoint, prefix: str, blocks: int) -> None:
+    def __init__(self, ckpt: Checkpoint, model: nn.Module, prefix: str, blocks: int) -> None:
         self.ckpt = ckpt
         self.owns = [f"{prefix}.{i}." for i in range(blocks)]
         self.block_tensors = {own: [n for n in ckpt.tensors if n.startswith(own)] for own in self.owns}
         inside = {n for names in self.block_tensors.values() for n in names}
-        self.outside = [n for n in ckpt.tensors if n not in inside]
+        position = {n: i for i, n in enumerate(model.state_dict(keep_vars=True))}
+        first = min((position.get(n, len(position)) for n in inside), default=len(position))
+        outside = sorted(
+            (n for n in ckpt.tensors if n not in inside), key=lambda n: position.get(n, len(position))
+        )
+        self.before = [n for n in outside if position.get(n, len(position)) < first]
+        self.after = [n for n in outside if n not in self.before]
 
     def planned(self) -> list[PlannedTensor]:
-        order = [*self.outside, *(n for own in self.owns for n in self.block_tensors[own])]
+        order = [*self.before, *(n for own in self.owns for n in self.block_tensors[own]), *self.after]
         return [
             PlannedTensor(n, self.ckpt.tensors[n].dtype, tuple(self.ckpt.tensors[n].shape)) for n in order
         ]
 
-    def copy_outside(self, writer: PlannedShardWriter, reader: ShardReader) -> None:
+    def copy(self, writer: PlannedShardWriter, reader: ShardReader, names: list[str]) -> None:
+        """Tensors copied unchanged, in 16 MiB pieces."""
         buf = torch.empty(COPY_CHUNK_BYTES, dtype=torch.uint8)
-        for name in self.outside:
+        for name in names:
             info = self.ckpt.tensors[name]
             writer.write_chunks(name, info.dtype, tuple(info.shape), read_chunks(reader, info, buf))
 
@@ -133,16 +143,17 @@ def awq_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[torch.Tenso
     config, ckpt, model, prefix, blocks = _skeleton(model_dir, "AWQ")
     found, resolved = awq_plan(model, batches, schemes, n_grid, scales, loaded=False)
     dtype = ckpt.tensors[f"{next(iter(resolved))}.weight"].dtype  # the weights' dtype, as the loaded model's
-    layout = _Layout(ckpt, prefix, len(blocks))
+    layout = _Layout(ckpt, model, prefix, len(blocks))
     awq = AwqPass(None, found, resolved, n_grid, dtype, scales)
     writing = _WritingPass(awq, found, layout)
     started = time.perf_counter()
 
     def write(writer: PlannedShardWriter) -> None:
         with ShardReader() as reader:
-            layout.copy_outside(writer, reader)
-        writing.writer = writer
-        calibrate_layerwise(model_dir, config, ckpt, batches, [], block_pass=writing)
+            layout.copy(writer, reader, layout.before)
+            writing.writer = writer
+            calibrate_layerwise(model_dir, config, ckpt, batches, [], block_pass=writing)
+            layout.copy(writer, reader, layout.after)
 
     _publish(model_dir, out_dir, config, layout, "mixprec awq", write, max_shard_size)
     return awq.record(batches, time.perf_counter() - started)
@@ -171,7 +182,7 @@ def smoothquant_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[tor
     a model SmoothQuant does not take."""
     config, ckpt, model, prefix, blocks = _skeleton(model_dir, "SmoothQuant")
     found, mappings = smoothquant_plan(model, batches, alpha, loaded=False)
-    layout = _Layout(ckpt, prefix, len(blocks))
+    layout = _Layout(ckpt, model, prefix, len(blocks))
     started = time.perf_counter()
     seen = ChannelMaxima()
     calibrate_layerwise(
@@ -182,7 +193,7 @@ def smoothquant_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[tor
 
     def write(writer: PlannedShardWriter) -> None:
         with ShardReader() as reader:
-            layout.copy_outside(writer, reader)
+            layout.copy(writer, reader, layout.before)
             for own in layout.owns:
                 load_into(model, ckpt, layout.block_tensors[own], reader)
                 for m in mappings:
@@ -192,6 +203,7 @@ def smoothquant_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[tor
                 layout.write_block(writer, own, block)
                 block.to("meta")
                 release_free_memory()
+            layout.copy(writer, reader, layout.after)
 
     _publish(model_dir, out_dir, config, layout, "mixprec smoothquant", write, max_shard_size)
     return smoothquant_record(found, mappings, record, alpha, batches, time.perf_counter() - started)
