@@ -82,7 +82,7 @@ class _WritingPass:
 
 class _Layout:
     """Which checkpoint tensors lie in which block (`owns`: 'model.layers.3.') and which outside; the order
-    written is the model's own (its state dict's, as a save of the loaded model writes it): the outside
+    written is the model's own (its state dict's, the order rotation_checkpoint writes too): the outside
     tensors before the blocks (the embedding) copied unchanged first, then block after block, then the
     outside tensors after them (the final norm, the head)."""
 
