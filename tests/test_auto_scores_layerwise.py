@@ -94,7 +94,7 @@ def test_the_head_in_slices_gives_cross_entropys_gradient():
         torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_nothing_is_left_in_the_spill_directory_and_the_sums_need_every_block(tmp_path):
+def test_nothing_is_left_in_the_spill_directory(tmp_path):
     directory = _save_llama(tmp_path / "llama", tied=False, layers=2)
     config, ckpt = read_config(directory), open_checkpoint(directory)
     skel, _ = scoring_skeleton(directory, config, ckpt, None, True)
@@ -105,7 +105,7 @@ def test_nothing_is_left_in_the_spill_directory_and_the_sums_need_every_block(tm
     assert list(spill.iterdir()) == []
 
 
-def test_models_it_does_not_take_are_refused_or_scored_whole(tmp_path):
+def test_models_it_does_not_take_are_refused_or_scored_whole(tmp_path, monkeypatch):
     capped = _save_llama(tmp_path / "capped", tied=False, layers=2)
     cfg = json.loads((capped / "config.json").read_text())
     (capped / "config.json").write_text(json.dumps({**cfg, "final_logit_softcapping": 30.0}))
@@ -120,9 +120,22 @@ def test_models_it_does_not_take_are_refused_or_scored_whole(tmp_path):
         auto_quantize_checkpoint(capped, tmp_path / "out", layer_by_layer=True, **kw)
     with pytest.raises(MixprecError, match="kl score runs on the whole model"):
         auto_quantize_checkpoint(capped, tmp_path / "out", layer_by_layer=True, score="kl", **kw)
-    # by default such a model is scored whole, as before
+    # by default, even where the memory rule asks for the walk, such a model is scored whole, as before
+    import mixprec.sensitivity.automatic as automatic
+
+    walks: list = []
+    walk = automatic.layerwise_gradient_scores
+    monkeypatch.setattr(automatic, "_whole_model_fits", lambda model_dir: False)
+    monkeypatch.setattr(
+        automatic, "layerwise_gradient_scores", lambda *a, **k: walks.append(1) or walk(*a, **k)
+    )
     result = auto_quantize_checkpoint(capped, tmp_path / "out", **kw)
-    assert result.allocation.bits_per_weight <= 12
+    assert result.allocation.bits_per_weight <= 12 and walks == []
+    # and a model it takes is scored block by block by that rule, without --layer-by-layer
+    plain = _save_llama(tmp_path / "plain", tied=False, layers=2)
+    (plain / "tokenizer.json").write_text(_tokenizer_json())
+    auto_quantize_checkpoint(plain, tmp_path / "out-plain", **kw)
+    assert walks == [1]
 
 
 def _tokenizer_json() -> str:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import mixprec.inference.algorithms.block_rewrite as block_rewrite
 import mixprec.inference.algorithms.rotation as rotation
 import mixprec.inference.algorithms.rotation_checkpoint as rotation_checkpoint
 from mixprec.errors import MixprecError
@@ -63,7 +64,8 @@ def test_streamed_rotation_equals_rotate_model_bit_for_bit(tmp_path, monkeypatch
         loaded_blocks.append(blocks)
         return load(model, ckpt, names, reader, renamed)
 
-    monkeypatch.setattr(rotation_checkpoint, "load_into", one_block_at_a_time)
+    monkeypatch.setattr(rotation_checkpoint, "load_into", one_block_at_a_time)  # the final norm
+    monkeypatch.setattr(block_rewrite, "load_into", one_block_at_a_time)  # each block
     out = tmp_path / "rotated"
     out.mkdir()
     record = rotate_checkpoint(src, out, seed=3)

@@ -52,7 +52,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mixprec.errors import MixprecError
-from mixprec.hf import build_model
 from mixprec.inference.calibration.layerwise import block_inputs, observing, run_block, skeleton
 from mixprec.inference.calibration.observers import MaxObserver
 from mixprec.inference.calibration.outside import OutsideLoader, check_captured, input_embedding, load_into
@@ -144,13 +143,18 @@ def scoring_skeleton(model_dir: Path, config: dict[str, Any], ckpt: Checkpoint, 
                      default_ignore: bool) -> tuple[ScoringSkeleton | None, str | None]:  # fmt: skip
     """(the skeleton, None), or (None, why the block-by-block score does not apply to this model)."""
     try:
-        model = build_model(config, source=model_dir).eval()
-        names = scorable_linears(model, ignore, default_ignore=default_ignore)
-        model, prefix, blocks, renamed, _ = skeleton(model_dir, config, ckpt, list(names))
+        model, prefix, blocks, renamed, _ = skeleton(model_dir, config, ckpt, [])
     except MixprecError as e:
         return None, str(e)
     if renamed:
         return None, "the checkpoint names some tensors differently than the model"
+    names = scorable_linears(model, ignore, default_ignore=default_ignore)
+    stray = [n for n in names if not n.startswith(prefix + ".")]
+    if stray:
+        return (
+            None,
+            f"Linears outside {prefix} are scored (e.g. {stray[0]}); the walk scores those inside only",
+        )
     reason = unsupported_reason(model, config, ckpt, prefix)
     if reason is not None:
         return None, reason

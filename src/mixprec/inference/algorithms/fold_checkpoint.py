@@ -36,6 +36,7 @@ from torch import nn
 from mixprec.errors import MixprecError
 from mixprec.hf import read_config
 from mixprec.inference.algorithms.awq import DUO, AwqPass, awq_plan
+from mixprec.inference.algorithms.block_rewrite import BlockLayout, publish_folded, rewrite_block
 from mixprec.inference.algorithms.folds import BlockMappings, FoldMapping, check_block
 from mixprec.inference.algorithms.smoothquant import (
     ChannelMaxima,
@@ -44,19 +45,12 @@ from mixprec.inference.algorithms.smoothquant import (
     smoothquant_record,
 )
 from mixprec.inference.calibration.layerwise import Captured, calibrate_layerwise, skeleton
-from mixprec.inference.calibration.outside import load_into
-from mixprec.inference.checkpoint.publish import parse_size, publish
 from mixprec.inference.checkpoint.safetensors_io import (
-    Checkpoint,
     PlannedShardWriter,
-    PlannedTensor,
     ShardReader,
-    copy_side_files,
     open_checkpoint,
-    read_chunks,
 )
 from mixprec.inference.schemes import InferenceScheme
-from mixprec.kernels.allocator import release_free_memory
 
 COPY_CHUNK_BYTES = 16 << 20
 
@@ -65,7 +59,7 @@ class _WritingPass:
     """The AwqPass of a walk over a checkpoint, with each block's checks before its forward and its
     tensors written once it is folded (the walk then drops it)."""
 
-    def __init__(self, awq: AwqPass, found: BlockMappings, layout: _Layout) -> None:
+    def __init__(self, awq: AwqPass, found: BlockMappings, layout: BlockLayout) -> None:
         self.awq, self.found, self.layout = awq, found, layout
         self.writer: PlannedShardWriter | None = None
 
@@ -80,44 +74,6 @@ class _WritingPass:
         return out
 
 
-class _Layout:
-    """Which checkpoint tensors lie in which block (`owns`: 'model.layers.3.') and which outside; the order
-    written is the model's own (its state dict's, the order rotation_checkpoint writes too): the outside
-    tensors before the blocks (the embedding) copied unchanged first, then block after block, then the
-    outside tensors after them (the final norm, the head)."""
-
-    def __init__(self, ckpt: Checkpoint, model: nn.Module, prefix: str, blocks: int) -> None:
-        self.ckpt = ckpt
-        self.owns = [f"{prefix}.{i}." for i in range(blocks)]
-        self.block_tensors = {own: [n for n in ckpt.tensors if n.startswith(own)] for own in self.owns}
-        inside = {n for names in self.block_tensors.values() for n in names}
-        position = {n: i for i, n in enumerate(model.state_dict(keep_vars=True))}
-        first = min((position.get(n, len(position)) for n in inside), default=len(position))
-        outside = sorted(
-            (n for n in ckpt.tensors if n not in inside), key=lambda n: position.get(n, len(position))
-        )
-        self.before = [n for n in outside if position.get(n, len(position)) < first]
-        self.after = [n for n in outside if n not in self.before]
-
-    def planned(self) -> list[PlannedTensor]:
-        order = [*self.before, *(n for own in self.owns for n in self.block_tensors[own]), *self.after]
-        return [
-            PlannedTensor(n, self.ckpt.tensors[n].dtype, tuple(self.ckpt.tensors[n].shape)) for n in order
-        ]
-
-    def copy(self, writer: PlannedShardWriter, reader: ShardReader, names: list[str]) -> None:
-        """Tensors copied unchanged, in 16 MiB pieces."""
-        buf = torch.empty(COPY_CHUNK_BYTES, dtype=torch.uint8)
-        for name in names:
-            info = self.ckpt.tensors[name]
-            writer.write_chunks(name, info.dtype, tuple(info.shape), read_chunks(reader, info, buf))
-
-    def write_block(self, writer: PlannedShardWriter, own: str, block: nn.Module) -> None:
-        tensors = block.state_dict(prefix=own, keep_vars=True)
-        for name in self.block_tensors[own]:
-            writer.write(name, tensors[name])
-
-
 def _skeleton(model_dir: Path, what: str):
     """(config, checkpoint, the meta skeleton, its block list's name, its blocks)."""
     config, ckpt = read_config(model_dir), open_checkpoint(model_dir)
@@ -125,13 +81,6 @@ def _skeleton(model_dir: Path, what: str):
     if renamed:
         raise MixprecError(f"{model_dir}: {what} over a checkpoint reads tensors by the model's names")
     return config, ckpt, model, prefix, blocks
-
-
-def _publish(model_dir: Path, out_dir: Path, config: dict, layout: _Layout, producer: str, write,
-             max_shard_size: str | int) -> None:  # fmt: skip
-    publish(out_dir, force=False, into=out_dir, planned=layout.planned(), max_shard_size=parse_size(max_shard_size),
-            producer=producer, write_tensors=write, config=lambda: config,
-            side_files=lambda d: copy_side_files(model_dir, d, set()))  # fmt: skip
 
 
 def awq_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[torch.Tensor],
@@ -143,7 +92,7 @@ def awq_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[torch.Tenso
     config, ckpt, model, prefix, blocks = _skeleton(model_dir, "AWQ")
     found, resolved = awq_plan(model, batches, schemes, n_grid, scales, loaded=False)
     dtype = ckpt.tensors[f"{next(iter(resolved))}.weight"].dtype  # the weights' dtype, as the loaded model's
-    layout = _Layout(ckpt, model, prefix, len(blocks))
+    layout = BlockLayout(ckpt, model, prefix, len(blocks))
     awq = AwqPass(None, found, resolved, n_grid, dtype, scales)
     writing = _WritingPass(awq, found, layout)
     started = time.perf_counter()
@@ -155,7 +104,7 @@ def awq_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[torch.Tenso
             calibrate_layerwise(model_dir, config, ckpt, batches, [], block_pass=writing)
             layout.copy(writer, reader, layout.after)
 
-    _publish(model_dir, out_dir, config, layout, "mixprec awq", write, max_shard_size)
+    publish_folded(model_dir, out_dir, config, layout.planned(), "mixprec awq", write, max_shard_size)
     return awq.record(batches, time.perf_counter() - started)
 
 
@@ -182,7 +131,7 @@ def smoothquant_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[tor
     a model SmoothQuant does not take."""
     config, ckpt, model, prefix, blocks = _skeleton(model_dir, "SmoothQuant")
     found, mappings = smoothquant_plan(model, batches, alpha, loaded=False)
-    layout = _Layout(ckpt, model, prefix, len(blocks))
+    layout = BlockLayout(ckpt, model, prefix, len(blocks))
     started = time.perf_counter()
     seen = ChannelMaxima()
     calibrate_layerwise(
@@ -191,21 +140,19 @@ def smoothquant_checkpoint(model_dir: Path, out_dir: Path, batches: Sequence[tor
     record: dict[str, Any] = {}
     modules = dict(model.named_modules())
 
+    def smooth(block: nn.Module, own: str) -> None:  # the block's mappings, in model order
+        for m in (m for m in mappings if m.previous.startswith(own)):
+            record[m.name] = smooth_mapping_(model, modules, m, seen.maxima[m.linears[0]], alpha)
+
     def write(writer: PlannedShardWriter) -> None:
         with ShardReader() as reader:
             layout.copy(writer, reader, layout.before)
             for own in layout.owns:
-                load_into(model, ckpt, layout.block_tensors[own], reader)
-                for m in mappings:
-                    if m.previous.startswith(own):
-                        record[m.name] = smooth_mapping_(model, modules, m, seen.maxima[m.linears[0]], alpha)
-                block = model.get_submodule(own[:-1])
-                layout.write_block(writer, own, block)
-                block.to("meta")
-                release_free_memory()
+                rewrite_block(writer, reader, ckpt, model, own, layout.block_tensors[own],
+                              lambda block, own=own: smooth(block, own))  # fmt: skip
             layout.copy(writer, reader, layout.after)
 
-    _publish(model_dir, out_dir, config, layout, "mixprec smoothquant", write, max_shard_size)
+    publish_folded(model_dir, out_dir, config, layout.planned(), "mixprec smoothquant", write, max_shard_size)
     return smoothquant_record(found, mappings, record, alpha, batches, time.perf_counter() - started)
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError
 from mixprec.hf import build_model, read_config
+from mixprec.inference.algorithms.block_rewrite import publish_folded, rewrite_block
 from mixprec.inference.algorithms.rotation import (
     CHUNK_ROWS,
     RotationPlan,
@@ -39,16 +40,13 @@ from mixprec.inference.algorithms.rotation import (
     rotation_record,
 )
 from mixprec.inference.calibration.outside import load_into
-from mixprec.inference.checkpoint.publish import parse_size, publish
 from mixprec.inference.checkpoint.safetensors_io import (
     Checkpoint,
     PlannedShardWriter,
     PlannedTensor,
     ShardReader,
-    copy_side_files,
     open_checkpoint,
 )
-from mixprec.kernels.allocator import release_free_memory
 
 LAYERS = "model.layers"  # the block list plan_rotation recognises
 
@@ -103,27 +101,14 @@ def rotate_checkpoint(model_dir: Path, out_dir: Path, *, seed: int = 0, r2: bool
         def write(writer: PlannedShardWriter) -> None:
             _write_rows(writer, reader, ckpt, names.embed, names.embed, r1)
             for i, block_names in enumerate(names.blocks):
-                _write_block(writer, reader, ckpt, model, i, block_names, plan.hidden, r1, r2_matrix)
+                rotate = lambda block, i=i: rotate_layer_(check_layer(i, block, plan.hidden), r1, r2_matrix)  # noqa: E731
+                rewrite_block(writer, reader, ckpt, model, f"{LAYERS}.{i}.", block_names, rotate)
             writer.write(names.norm, torch.ones_like(final_gain))
             _write_rows(writer, reader, ckpt, names.head or names.embed, names.head_out, r1, final_gain)
 
-        publish(out_dir, force=False, into=out_dir, planned=names.planned(ckpt),
-                max_shard_size=parse_size(max_shard_size), producer="mixprec rotate", write_tensors=write,
-                config=lambda: _untied(config), side_files=lambda d: copy_side_files(model_dir, d, set()))  # fmt: skip
+        publish_folded(model_dir, out_dir, _untied(config), names.planned(ckpt), "mixprec rotate", write,
+                       max_shard_size)  # fmt: skip
     return rotation_record(plan, seed, r2)
-
-
-def _write_block(writer: PlannedShardWriter, reader: ShardReader, ckpt: Checkpoint, model: nn.Module, i: int,
-                 block_names: list[str], hidden: int, r1: torch.Tensor, r2: torch.Tensor | None) -> None:  # fmt: skip
-    """Block i read into the skeleton, its norms probed, rotated by rotate_layer_, written, dropped."""
-    load_into(model, ckpt, block_names, reader)
-    block = model.get_submodule(f"{LAYERS}.{i}")
-    rotate_layer_(check_layer(i, block, hidden), r1, r2)
-    tensors = block.state_dict(prefix=f"{LAYERS}.{i}.", keep_vars=True)
-    for name in block_names:
-        writer.write(name, tensors[name])
-    block.to("meta")
-    release_free_memory()
 
 
 def _write_rows(writer: PlannedShardWriter, reader: ShardReader, ckpt: Checkpoint, source: str, target: str,
